@@ -1,0 +1,24 @@
+"""Exceptions raised by megashard for user-facing problems."""
+
+
+class MegashardError(Exception):
+    """Base class of every error megashard raises on purpose."""
+
+
+class ConfigError(MegashardError, ValueError):
+    """A parallel config is invalid: the message names the fields, their values, the rule and legal values."""
+
+
+class StateError(MegashardError, RuntimeError):
+    """Parallel state used before initialisation, twice, or after teardown."""
+
+
+class TransformerEngineMissingError(MegashardError, ImportError):
+    """A TransformerEngine code path was requested but transformer-engine is not installed."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} needs NVIDIA TransformerEngine, which is not installed. "
+            "Install it with `pip install 'megashard[te]'` (or `pip install transformer-engine[pytorch]`); "
+            "it requires a CUDA machine."
+        )

@@ -1,0 +1,20 @@
+"""megashard: the parallel-state layer for large-model training on PyTorch."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megashard",
+    version="0.1.0",
+    description="Named device meshes, Megatron-compatible process groups and sharding utilities for PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megashard", "megashard.*"]),
+    python_requires=">=3.10",
+    # torch 2.11-2.14 is supported; CI pins 2.13.0 (the CPU build on local disk).
+    install_requires=["torch>=2.11,<2.15", "pyyaml>=6"],
+    extras_require={
+        "te": ["transformer-engine[pytorch]"],
+        "dev": ["pytest>=8"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
+)

@@ -1,0 +1,145 @@
+"""Run checks on real gloo process groups: one spawn per test module, many checks per spawn.
+
+Usage in a test module::
+
+    def check_tp_groups(rank, world_size):   # module-level, so it pickles by reference
+        ...                                    # plain asserts; raise to fail
+
+    @pytest.fixture(scope="module")
+    def dist4():
+        return spawn_checks([check_tp_groups, ...], world_size=4)
+
+    def test_tp_groups(dist4):
+        dist4.assert_ok("check_tp_groups")     # fails naming every failing rank and its traceback
+
+Every process group gets a short timeout so a bug fails fast instead of hanging; the whole spawn has
+a deadline after which all ranks are killed and the report names the check each rank was running.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Sequence
+
+Check = Callable[[int, int], None]
+
+
+def _worker(rank: int, world_size: int, init_file: str, checks: Sequence[Check], q, pg_timeout: float, backend: str):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    except BaseException:  # noqa: BLE001 - report, do not hang
+        q.put(("error", rank, "<init_process_group>", traceback.format_exc()))
+        q.put(("done", rank, None, None))
+        return
+    for check in checks:
+        name = check.__name__
+        q.put(("start", rank, name, None))
+        try:
+            check(rank, world_size)
+        except BaseException:  # noqa: BLE001
+            q.put(("error", rank, name, traceback.format_exc()))
+        else:
+            q.put(("ok", rank, name, None))
+    try:
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        pass
+    q.put(("done", rank, None, None))
+
+
+@dataclass
+class DistResults:
+    world_size: int
+    errors: dict[str, dict[int, str]] = field(default_factory=dict)
+    passed: dict[str, set[int]] = field(default_factory=dict)
+    hung: dict[int, str] = field(default_factory=dict)  # rank -> check it was running at the deadline
+
+    def assert_ok(self, name: str) -> None:
+        """Fail with one message per failing rank if check ``name`` failed (or never finished) anywhere."""
+        problems = []
+        for rank, tb in sorted(self.errors.get(name, {}).items()):
+            problems.append(f"--- rank {rank} of {self.world_size} failed {name}:\n{tb}")
+        init = self.errors.get("<init_process_group>", {})
+        for rank, tb in sorted(init.items()):
+            problems.append(f"--- rank {rank}: init_process_group failed:\n{tb}")
+        for rank, running in sorted(self.hung.items()):
+            problems.append(f"--- rank {rank} timed out while running {running}")
+        missing = set(range(self.world_size)) - self.passed.get(name, set()) - set(self.errors.get(name, {}))
+        if missing and not problems:
+            problems.append(f"--- ranks {sorted(missing)} never ran {name} (an earlier check hung)")
+        if problems:
+            raise AssertionError("\n".join(problems))
+
+
+def spawn_checks(
+    checks: Sequence[Check],
+    world_size: int,
+    *,
+    timeout: float = 240.0,
+    pg_timeout: float = 30.0,
+    backend: str = "gloo",
+) -> DistResults:
+    """Spawn ``world_size`` processes, join one process group, run every check on every rank.
+
+    ``timeout`` (s) bounds the whole spawn; ``pg_timeout`` (s) is every collective's timeout.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    results = DistResults(world_size)
+    with tempfile.TemporaryDirectory(prefix="megashard-test-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, list(checks), q, pg_timeout, backend), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        running: dict[int, str] = {r: "<startup>" for r in range(world_size)}
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(done) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                kind, rank, name, payload = q.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):  # a rank that died without saying so
+                    if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                        results.errors.setdefault(running[r], {})[r] = f"process exited with code {p.exitcode}"
+                        done.add(r)
+                continue
+            if kind == "start":
+                running[rank] = name
+            elif kind == "ok":
+                results.passed.setdefault(name, set()).add(rank)
+            elif kind == "error":
+                results.errors.setdefault(name, {})[rank] = payload
+            elif kind == "done":
+                done.add(rank)
+        for r in range(world_size):
+            if r not in done:
+                results.hung[r] = running[r]
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
