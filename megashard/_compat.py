@@ -8,3 +8,55 @@ from __future__ import annotations
 import torch
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+# --- DTensor placement internals (used by megashard.tensors.shape / placements) ---------------------
+# `_StridedShard` is the placement FSDP2 gives a parameter whose dim is sharded by TP and FSDP at once.
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+
+try:  # the plain-data core of DTensor's own local-shape/offset arithmetic (torch >= 2.9)
+    from torch.distributed.tensor._utils import (  # noqa: E402
+        _compute_local_shape_and_global_offset as _torch_local_shape_offset_at,
+    )
+except ImportError:  # pragma: no cover - moved or renamed in some release
+    _torch_local_shape_offset_at = None
+
+
+def torch_compute_local_shape_and_global_offset(global_shape, mesh, placements):
+    """PyTorch's own `compute_local_shape_and_global_offset` for the calling rank (reference answer)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
+
+
+def torch_local_shape_and_offset_at(global_shape, mesh_shape, coordinate, placements):
+    """PyTorch's answer for any mesh coordinate without a process group, or None if this torch lacks it."""
+    if _torch_local_shape_offset_at is None:
+        return None
+    return _torch_local_shape_offset_at(global_shape, tuple(mesh_shape), list(coordinate), placements)
+
+
+# --- autograd checkpoint guard (used by megashard.recompute) --------------------------------------
+# False while torch.autograd.grad() (rather than .backward()) runs a graph: recompute cannot work then.
+def autograd_checkpoint_valid() -> bool:
+    """`torch.autograd._is_checkpoint_valid()`, or True on a torch without it."""
+    fn = getattr(torch.autograd, "_is_checkpoint_valid", None)
+    return True if fn is None else bool(fn())
+
+
+# --- DeviceMesh internals (flattened-name registry of a root mesh) -------------------------------
+def mesh_flattened_names(device_mesh) -> list[str]:
+    """Names of meshes flattened (``_flatten``) from ``device_mesh``'s root; [] where the API is absent."""
+    try:
+        root = device_mesh._get_root_mesh()
+    except AttributeError:
+        root = device_mesh
+    mapping = getattr(root, "_flatten_mapping", None)
+    if isinstance(mapping, dict):
+        return list(mapping)
+    try:  # torch <= 2.9 kept them in a global registry
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return list(_mesh_resources.root_to_flatten_mapping.get(root, {}))
+    except (ImportError, AttributeError):
+        return []

@@ -22,3 +22,11 @@ class TransformerEngineMissingError(MegashardError, ImportError):
             "Install it with `pip install 'megashard[te]'` (or `pip install transformer-engine[pytorch]`); "
             "it requires a CUDA machine."
         )
+
+
+class ShardingError(ConfigError, RuntimeError):
+    """A sharding layout is invalid: placements vs mesh, shard dims, split factors, flat-shard offsets."""
+
+
+class RNGTrackerError(MegashardError, ValueError):
+    """RNG tracker misuse: a duplicate stream name or seed, or a fork of a stream that was never added."""

@@ -1,0 +1,95 @@
+"""A global scratch-memory buffer: reuse one allocation per (name, dtype) instead of allocating per step.
+
+Typical use is a communication or workspace buffer needed every step with the same shape::
+
+    buf = get_global_memory_buffer().get_tensor((seq, hidden), torch.bfloat16, "mpu")
+
+The returned tensor is a *view* of the buffer: its contents are garbage (like ``torch.empty``) and
+it is overwritten by the next ``get_tensor`` with the same name and dtype. Callers must not use two
+tensors of the same name at the same time.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from megashard.errors import ConfigError
+
+__all__ = ["GlobalMemoryBuffer", "get_global_memory_buffer"]
+
+
+def _default_device() -> torch.device:
+    """The CUDA current device when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GlobalMemoryBuffer:
+    """One flat buffer per ``(name, dtype)``, grown when a request does not fit.
+
+    ``device`` defaults to the CUDA current device when CUDA is available, else the CPU.
+    """
+
+    def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(
+        self,
+        tensor_shape: Union[int, Sequence[int], torch.Size],
+        dtype: torch.dtype,
+        name: str,
+        mem_alloc_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+    ) -> torch.Tensor:
+        """Return a tensor of shape ``tensor_shape`` and ``dtype`` backed by buffer ``(name, dtype)``.
+
+        No allocation happens when the buffer already holds at least ``prod(tensor_shape)`` elements;
+        otherwise the buffer is replaced by a new one of exactly that many elements, allocated inside
+        ``mem_alloc_context()`` when given (e.g. a CUDA memory pool). Tensors handed out earlier keep
+        the old storage alive until they are dropped. Contents are uninitialised.
+        """
+        shape = (tensor_shape,) if isinstance(tensor_shape, int) else tuple(tensor_shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ConfigError(f"get_tensor({name!r}): tensor_shape must be non-negative ints, got {tensor_shape!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"get_tensor({name!r}): dtype must be a torch.dtype, got {dtype!r}")
+        required = math.prod(shape)
+        key = (name, dtype)
+        buf = self.buffer.get(key)
+        if buf is None or buf.numel() < required:
+            ctx = mem_alloc_context() if mem_alloc_context is not None else contextlib.nullcontext()
+            with ctx:
+                buf = torch.empty(required, dtype=dtype, device=self.device, requires_grad=False)
+            self.buffer[key] = buf
+        return buf[:required].view(shape)
+
+    def clear(self) -> None:
+        """Drop every buffer (memory is freed once no handed-out view references it)."""
+        self.buffer.clear()
+
+    def nbytes(self) -> int:
+        """Total bytes held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffer.values())
+
+
+_GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """Return the process-wide :class:`GlobalMemoryBuffer`, created on first use."""
+    global _GLOBAL_MEMORY_BUFFER
+    if _GLOBAL_MEMORY_BUFFER is None:
+        _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def _reset_for_destroy() -> None:
+    """Drop the global buffer (called by ``megashard.state.destroy()``)."""
+    global _GLOBAL_MEMORY_BUFFER
+    if _GLOBAL_MEMORY_BUFFER is not None:
+        _GLOBAL_MEMORY_BUFFER.clear()
+    _GLOBAL_MEMORY_BUFFER = None

@@ -1,0 +1,465 @@
+"""Per-rank random-number streams: a tracker of named generator states, and Megatron's seeding rule.
+
+A *stream* is a named generator state. ``tracker.fork(name)`` swaps the stream into the device's
+default generator for the duration of a ``with`` block, so code inside (dropout, init) draws from it
+while the default stream outside is left exactly where it was.
+
+On a CUDA machine the device generator is the current CUDA device's default generator, as in
+Megatron-LM. Without CUDA the same code drives the CPU default generator (``torch.default_generator``)
+with identical semantics, so everything here runs and is tested on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from megashard.errors import ConfigError, RNGTrackerError, StateError
+
+__all__ = [
+    "CudaRNGStatesTracker",
+    "RNGStatesTracker",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "initialize_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "seeds_for_ranks",
+]
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+_EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+_DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
+
+# Megatron-LM's offsets: any positive constants work, these keep seeds identical to Megatron runs.
+_MODEL_PARALLEL_SEED_OFFSET = 2718
+_EXPERT_PARALLEL_SEED_OFFSET = 1024
+_EXPERT_PARALLEL_RANK_STRIDE = 100
+
+DeviceLike = Union[int, str, torch.device]
+
+
+# --------------------------------------------------------------------------- device generator access
+def _use_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cuda_generator(device: DeviceLike) -> torch.Generator:
+    """Default generator of a CUDA device; ``-1``/``"cuda"``/``None`` index mean the current device."""
+    if isinstance(device, int):
+        index: Optional[int] = None if device < 0 else device
+    else:
+        dev = torch.device(device)
+        index = dev.index if dev.type == "cuda" else None
+    torch.cuda.init()  # default_generators is empty until CUDA is initialised
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
+
+
+def _device_generator(device: DeviceLike) -> torch.Generator:
+    """The generator a tracker drives: a CUDA default generator, or the CPU one without CUDA."""
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu":
+        return torch.default_generator
+    if not _use_cuda():
+        return torch.default_generator
+    return _cuda_generator(device)
+
+
+def _get_cuda_rng_state(device: DeviceLike = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
+    """Return the RNG state of ``device``'s default generator.
+
+    ``graph_safe=True`` (CUDA only) returns the generator object registered for CUDA-graph capture
+    (``graphsafe_get_state``), or a private copy of it with ``clone=True``; otherwise a uint8 state
+    tensor (a fresh tensor, so ``clone`` is moot). Without CUDA this reads the CPU default generator
+    and ``graph_safe`` is ignored (CUDA graphs do not exist there).
+    """
+    gen = _device_generator(device)
+    if graph_safe and gen.device.type == "cuda":
+        return gen.clone_state() if clone else gen.graphsafe_get_state()
+    return gen.get_state()
+
+
+def _set_cuda_rng_state(new_state: Any, device: DeviceLike = -1, graph_safe: bool = False) -> None:
+    """Set ``device``'s default generator (``-1`` = current CUDA device) to ``new_state``.
+
+    Unlike ``torch.cuda.set_rng_state`` the input is not cloned first (the generator copies the bytes
+    it needs; the extra clone was a measurable cost in Megatron at scale). With ``graph_safe=True``
+    (CUDA only) ``new_state`` is a generator object installed with ``graphsafe_set_state``.
+    Without CUDA this sets the CPU default generator.
+    """
+    gen = _device_generator(device)
+    if graph_safe and gen.device.type == "cuda":
+        gen.graphsafe_set_state(new_state)
+    else:
+        gen.set_state(new_state)
+
+
+def _manual_seed_device(seed: int) -> None:
+    """Seed the device default generator only (CUDA current device, else CPU), like ``torch.cuda.manual_seed``."""
+    _device_generator(-1).manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- the tracker
+class RNGStatesTracker:
+    """Named RNG streams for one rank; Megatron's ``CudaRNGStatesTracker`` with correct nesting.
+
+    * ``add(name, seed)`` creates a stream; a name or seed used twice raises :class:`RNGTrackerError`.
+    * ``fork(name)`` runs a block on the stream. Forks nest, also with the same name twice: every
+      stream yields the numbers it would yield if the same draws were made in sequential, un-nested
+      forks, and the default stream is left as if no fork happened.
+    * ``get_states()``/``set_states()`` snapshot and restore all streams (used by recompute).
+
+    With ``is_inference_rng_tracker=True``, ``add``, ``set_states`` and ``fork`` do nothing (inference
+    draws from the default stream). ``use_cudagraphable_rng=True`` keeps generator objects registered
+    for CUDA-graph capture instead of state tensors (CUDA only).
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        if use_cudagraphable_rng and not _use_cuda():
+            raise ConfigError(
+                "use_cudagraphable_rng=True needs CUDA (it registers generator states for CUDA-graph "
+                "capture), but torch.cuda.is_available() is False; use use_cudagraphable_rng=False."
+            )
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self._active: list[str] = []  # names of the forks currently entered, innermost last
+        self.reset()
+
+    # -- bookkeeping
+    def is_initialized(self) -> bool:
+        """True once a stream was added or states were set (and not reset since)."""
+        return self._is_initialized
+
+    def reset(self) -> None:
+        """Forget every stream and seed."""
+        self._is_initialized = False
+        self.states_: dict[str, Any] = {}
+        self.seeds_: set[int] = set()
+        self._seed_owner: dict[int, str] = {}
+
+    def _get(self) -> Any:
+        return _get_cuda_rng_state(graph_safe=self.use_cudagraphable_rng)
+
+    def _set(self, state: Any) -> None:
+        _set_cuda_rng_state(state, graph_safe=self.use_cudagraphable_rng)
+
+    # -- snapshot / restore
+    def get_states(self) -> dict[str, Any]:
+        """Snapshot of every stream: ``{name: state}``.
+
+        Inside a fork the innermost forked stream lives in the device generator, so its *current*
+        state is reported (not the one it had when the fork began). Graph-safe states are cloned.
+        """
+        states = dict(self.states_)
+        if self._active and self._active[-1] in states:
+            states[self._active[-1]] = _get_cuda_rng_state(clone=True, graph_safe=self.use_cudagraphable_rng)
+        if self.use_cudagraphable_rng:
+            states = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in states.items()}
+        return states
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        """Replace every stream by ``states`` (as returned by :meth:`get_states`). Seeds are not tracked."""
+        if self.is_inference_rng_tracker:
+            return
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    # -- streams
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed``; the device generator is left unchanged."""
+        if self.is_inference_rng_tracker:
+            return
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise RNGTrackerError(f"RNG stream {name!r}: seed must be an int, got {seed!r} ({type(seed).__name__})")
+        if name in self.states_:
+            raise RNGTrackerError(
+                f"RNG stream {name!r} already exists (streams: {sorted(self.states_)}); "
+                "pick another name, or call reset() first to reseed every stream."
+            )
+        if seed in self.seeds_:
+            raise RNGTrackerError(
+                f"cannot add RNG stream {name!r} with seed {seed}: seed {seed} is already used by stream "
+                f"{self._seed_owner.get(seed, '?')!r} (seeds in use: {sorted(self.seeds_)}); two streams with "
+                "one seed draw identical numbers. Use a different seed."
+            )
+        if self.use_cudagraphable_rng:
+            new_state = _get_cuda_rng_state(clone=True, graph_safe=True)
+            new_state.manual_seed(seed)
+        else:
+            orig = _get_cuda_rng_state()
+            _manual_seed_device(seed)
+            new_state = _get_cuda_rng_state()
+            _set_cuda_rng_state(orig)
+        self.seeds_.add(seed)
+        self._seed_owner[seed] = name
+        self.states_[name] = new_state
+        self._is_initialized = True
+
+    @contextlib.contextmanager
+    def _fork(self, name: str) -> Iterator[None]:
+        if name not in self.states_:
+            raise RNGTrackerError(
+                f"RNG stream {name!r} was never added (streams: {sorted(self.states_)}); "
+                "call add(name, seed) or model_parallel_manual_seed(seed) first."
+            )
+        # Each level saves what the generator held on entry. If an outer fork is active, that is the
+        # outer stream's live state: write it back first so that a nested fork of the *same* stream
+        # continues from it instead of replaying the stale state stored when the outer fork began.
+        entry_state = self._get()
+        if self._active:
+            self.states_[self._active[-1]] = entry_state
+        self._set(self.states_[name])
+        self._active.append(name)
+        try:
+            yield
+        finally:
+            self._active.pop()
+            if name in self.states_:  # absent if reset() ran inside the block
+                self.states_[name] = self._get()
+            if self._active and self._active[-1] in self.states_:
+                self._set(self.states_[self._active[-1]])  # the outer stream, possibly advanced by us
+            else:
+                self._set(entry_state)
+
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> contextlib.AbstractContextManager:
+        """Context manager that draws from stream ``name`` inside the block (default: model-parallel)."""
+        if self.is_inference_rng_tracker:
+            return contextlib.nullcontext()
+        return self._fork(name)
+
+
+CudaRNGStatesTracker = RNGStatesTracker  # Megatron-LM's name
+
+
+def _te_tracker_class() -> type:
+    """TransformerEngine's tracker with Megatron's extras (is_initialized, inference no-ops, our errors)."""
+    from megashard.te import get_te_version, is_te_min_version, require_te
+
+    te_pytorch = require_te("use_te_rng_tracker=True")
+    if not is_te_min_version("1.5.0"):
+        raise ConfigError(
+            f"use_te_rng_tracker=True needs transformer-engine >= 1.5.0 (its graph-safe RNG tracker), "
+            f"found {get_te_version()}; upgrade TE or pass use_te_rng_tracker=False."
+        )
+    base = te_pytorch.distributed.CudaRNGStatesTracker
+
+    class TECudaRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """TE's cudagraph-safe tracker; same interface as :class:`RNGStatesTracker`."""
+
+        def __init__(self, is_inference_rng_tracker: bool = False) -> None:
+            super().__init__()
+            self.is_inference_rng_tracker = is_inference_rng_tracker
+            self.use_cudagraphable_rng = True
+            self.reset()
+
+        def is_initialized(self) -> bool:
+            return self._is_initialized
+
+        def reset(self) -> None:
+            super().reset()
+            self._is_initialized = False
+
+        def set_states(self, states: dict) -> None:
+            if self.is_inference_rng_tracker:
+                return
+            super().set_states(states)
+            self._is_initialized = True
+
+        def add(self, name: str, seed: int) -> None:
+            if self.is_inference_rng_tracker:
+                return
+            if name in getattr(self, "states_", {}):
+                raise RNGTrackerError(f"RNG stream {name!r} already exists (streams: {sorted(self.states_)})")
+            if seed in getattr(self, "seeds_", set()):
+                raise RNGTrackerError(
+                    f"cannot add RNG stream {name!r} with seed {seed}: seed already used "
+                    f"(seeds in use: {sorted(self.seeds_)})"
+                )
+            super().add(name, seed)
+            self._is_initialized = True
+
+        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN201
+            if self.is_inference_rng_tracker:
+                return contextlib.nullcontext()
+            return super().fork(name)
+
+    return TECudaRNGStatesTracker
+
+
+# --------------------------------------------------------------------------- the global tracker
+_RNG_TRACKER: Optional[Any] = None
+_RNG_TRACKER_FLAGS: Optional[tuple[bool, bool, bool]] = None
+
+
+def initialize_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset: bool = False,
+) -> None:
+    """Create the global RNG tracker once.
+
+    ``use_te_rng_tracker=True`` uses TransformerEngine's cudagraph-safe tracker (raises
+    :class:`~megashard.errors.TransformerEngineMissingError` without TE); ``inference_rng_tracker=True``
+    makes ``add``/``fork``/``set_states`` no-ops. A later call with different flags warns and keeps
+    the existing tracker unless ``force_reset=True``, which replaces it (its streams are lost).
+    """
+    global _RNG_TRACKER, _RNG_TRACKER_FLAGS
+    flags = (bool(use_te_rng_tracker), bool(inference_rng_tracker), bool(use_cudagraphable_rng))
+    if force_reset:
+        _RNG_TRACKER, _RNG_TRACKER_FLAGS = None, None
+    if _RNG_TRACKER is not None:
+        if flags != _RNG_TRACKER_FLAGS:
+            warnings.warn(
+                f"RNG tracker already initialised with {_describe_flags(_RNG_TRACKER_FLAGS)}; the request for "
+                f"{_describe_flags(flags)} is ignored. Pass force_reset=True to replace the tracker "
+                "(its streams are lost, reseed afterwards).",
+                stacklevel=3,
+            )
+        return
+    if use_te_rng_tracker:
+        tracker = _te_tracker_class()(is_inference_rng_tracker=inference_rng_tracker)
+    else:
+        tracker = RNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng, is_inference_rng_tracker=inference_rng_tracker)
+    _RNG_TRACKER, _RNG_TRACKER_FLAGS = tracker, flags
+
+
+def _describe_flags(flags: Optional[tuple[bool, bool, bool]]) -> str:
+    te, inf, cg = flags or (False, False, False)
+    return f"(use_te_rng_tracker={te}, inference_rng_tracker={inf}, use_cudagraphable_rng={cg})"
+
+
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> Any:
+    """Return the global RNG tracker, creating it with these flags if needed.
+
+    Called with no flags (the usual ``get_cuda_rng_tracker().fork()``) it returns the existing tracker
+    whatever it was created with; explicit flags that differ from the existing tracker's warn.
+    """
+    if _RNG_TRACKER is None or use_te_rng_tracker or inference_rng_tracker or use_cudagraphable_rng:
+        initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
+    return _RNG_TRACKER
+
+
+get_rng_tracker = get_cuda_rng_tracker  # device-neutral name
+
+
+# --------------------------------------------------------------------------- Megatron's seeding rule
+def seeds_for_ranks(seed: int, tp_rank: int, ep_rank: int, expt_tp_rank: int) -> dict[str, int]:
+    """The seeds of a rank's three streams, Megatron-LM's rule.
+
+    ``data-parallel-rng`` = seed (also the default generator), ``model-parallel-rng`` =
+    seed + 2718 + tp_rank, ``expert-parallel-rng`` = seed + 1024 + 100·ep_rank + expt_tp_rank.
+    Raises :class:`ConfigError` when two of them coincide (e.g. ep_rank=17, tp_rank=6, expt_tp_rank=0).
+    """
+    for what, value in (("seed", seed), ("tp_rank", tp_rank), ("ep_rank", ep_rank), ("expt_tp_rank", expt_tp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"model_parallel_manual_seed: {what} must be an int, got {value!r}")
+        if what != "seed" and value < 0:
+            raise ConfigError(f"model_parallel_manual_seed: {what} must be >= 0, got {value}")
+    seeds = {
+        _DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+        _MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank,
+        _EXPERT_PARALLEL_RNG_TRACKER_NAME: seed
+        + _EXPERT_PARALLEL_SEED_OFFSET
+        + _EXPERT_PARALLEL_RANK_STRIDE * ep_rank
+        + expt_tp_rank,
+    }
+    by_seed: dict[int, str] = {}
+    for name, value in seeds.items():
+        if value in by_seed:
+            raise ConfigError(
+                f"RNG seed collision on this rank: streams {by_seed[value]!r} and {name!r} would both get seed "
+                f"{value} (seed={seed}, tp_rank={tp_rank}, ep_rank={ep_rank}, expt_tp_rank={expt_tp_rank}; "
+                f"rule: data=seed, model=seed+2718+tp_rank, expert=seed+1024+100*ep_rank+expt_tp_rank), "
+                "so they would draw identical numbers. The collision depends only on the ranks "
+                "(100*ep_rank + expt_tp_rank == 1694 + tp_rank), not on `seed`: use ep < 17 or a different "
+                "tp/expt_tp size, or seed the streams yourself with get_cuda_rng_tracker().add()."
+            )
+        by_seed[value] = name
+    return seeds
+
+
+def _ranks_from_state() -> tuple[int, int, int]:
+    """(tp, ep, expt_tp) ranks of this process from the current megashard ParallelState.
+
+    A single process without torch.distributed is rank 0 of every axis.
+    """
+    import torch.distributed as dist
+
+    try:
+        from megashard.state import get_parallel_state
+
+        st = get_parallel_state()
+    except (ImportError, StateError) as exc:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise StateError(
+                "model_parallel_manual_seed needs this rank's tp/ep/expt_tp ranks: call "
+                "megashard.state.initialize(ParallelConfig(...)) first, or pass tp_rank=, ep_rank= and "
+                "expt_tp_rank= explicitly."
+            ) from exc
+        return 0, 0, 0
+    return st.rank_in("tp"), st.rank_in("ep"), st.rank_in("expt_tp")
+
+
+def model_parallel_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: Optional[int] = None,
+    ep_rank: Optional[int] = None,
+    expt_tp_rank: Optional[int] = None,
+    force_reset_rng: bool = False,
+) -> dict[str, int]:
+    """Seed this rank's streams the way Megatron-LM does, and return ``{stream name: seed}``.
+
+    The device default generator gets ``seed`` (identical on every rank: data-parallel randomness);
+    the tracker is reset and gets ``data-parallel-rng`` (seed), ``model-parallel-rng``
+    (seed + 2718 + tp_rank: differs across tensor-parallel ranks) and ``expert-parallel-rng``
+    (seed + 1024 + 100·ep_rank + expt_tp_rank). Ranks default to the current ParallelState's
+    ``rank_in("tp"/"ep"/"expt_tp")``. Only the device generator is seeded (CUDA current device, or the
+    CPU generator without CUDA); seed Python/NumPy/CPU yourself, and add a per-pipeline-stage offset
+    to ``seed`` if stages must differ (Megatron's training loop uses seed + 100·pp_rank).
+    """
+    if tp_rank is None or ep_rank is None or expt_tp_rank is None:
+        st_tp, st_ep, st_etp = _ranks_from_state()
+        tp_rank = st_tp if tp_rank is None else tp_rank
+        ep_rank = st_ep if ep_rank is None else ep_rank
+        expt_tp_rank = st_etp if expt_tp_rank is None else expt_tp_rank
+    seeds = seeds_for_ranks(seed, tp_rank, ep_rank, expt_tp_rank)  # validates before touching any state
+    initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng)
+    tracker = _RNG_TRACKER
+    tracker.reset()
+    _manual_seed_device(seed)
+    for name, value in seeds.items():
+        tracker.add(name, value)
+    return seeds
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: Optional[int] = None,
+    ep_rank: Optional[int] = None,
+    etp_rank: Optional[int] = None,
+    force_reset_rng: bool = False,
+) -> dict[str, int]:
+    """Megatron-LM's name and signature for :func:`model_parallel_manual_seed` (``etp_rank`` = expt_tp rank)."""
+    return model_parallel_manual_seed(
+        seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, tp_rank, ep_rank, etp_rank, force_reset_rng
+    )
+
+
+def _reset_for_destroy() -> None:
+    """Drop the global tracker (called by ``megashard.state.destroy()``); the next use creates a fresh one."""
+    global _RNG_TRACKER, _RNG_TRACKER_FLAGS
+    _RNG_TRACKER, _RNG_TRACKER_FLAGS = None, None

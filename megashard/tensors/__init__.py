@@ -1,0 +1,1 @@
+"""Sharding utilities: TP attributes, DTensor placements, local shapes/offsets, flat sharded tensors."""
