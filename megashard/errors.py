@@ -30,3 +30,19 @@ class ShardingError(ConfigError, RuntimeError):
 
 class RNGTrackerError(MegashardError, ValueError):
     """RNG tracker misuse: a duplicate stream name or seed, or a fork of a stream that was never added."""
+
+
+class CheckpointError(MegashardError, ValueError):
+    """Checkpoint shard metadata or an exchange request is inconsistent (shapes, holders, shard ids)."""
+
+
+class UnevenDTensorError(ShardingError):
+    """An uneven DTensor's local shards do not tile its global shape, or an operation cannot handle its layout."""
+
+
+class StateDictMismatchError(MegashardError, RuntimeError):
+    """Ranks that share a device mesh passed state dicts with different DTensor keys, shapes or placements."""
+
+
+class StateDictKeyError(MegashardError, KeyError):
+    """A key chain does not lead to a value in a (nested) state dict."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -26,6 +27,28 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _checked_shape(tensor_shape: object, name: str) -> tuple[int, ...]:
+    """Slow path: accept any integer-like dims (e.g. NumPy ints), refuse bools, negatives and non-ints."""
+    try:
+        dims = (tensor_shape,) if not hasattr(tensor_shape, "__iter__") else tuple(tensor_shape)  # type: ignore[arg-type]
+        if any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        shape = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        shape = (-1,)
+    if min(shape, default=0) < 0:
+        raise ConfigError(f"get_tensor({name!r}): tensor_shape must be non-negative ints, got {tensor_shape!r}")
+    return shape
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 class GlobalMemoryBuffer:
@@ -53,19 +76,20 @@ class GlobalMemoryBuffer:
         the old storage alive until they are dropped. Contents are uninitialised.
         """
         shape = (tensor_shape,) if isinstance(tensor_shape, int) else tuple(tensor_shape)
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-            raise ConfigError(f"get_tensor({name!r}): tensor_shape must be non-negative ints, got {tensor_shape!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"get_tensor({name!r}): dtype must be a torch.dtype, got {dtype!r}")
-        required = math.prod(shape)
+        if not all(type(d) is int for d in shape) or min(shape, default=0) < 0:
+            shape = _checked_shape(tensor_shape, name)
         key = (name, dtype)
         buf = self.buffer.get(key)
+        required = math.prod(shape)
         if buf is None or buf.numel() < required:
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"get_tensor({name!r}): dtype must be a torch.dtype, got {dtype!r}")
             ctx = mem_alloc_context() if mem_alloc_context is not None else contextlib.nullcontext()
             with ctx:
                 buf = torch.empty(required, dtype=dtype, device=self.device, requires_grad=False)
             self.buffer[key] = buf
-        return buf[:required].view(shape)
+        # One as_strided call: half the cost of buf[:required].view(shape) (two views) per request.
+        return buf.as_strided(shape, _contiguous_strides(shape))
 
     def clear(self) -> None:
         """Drop every buffer (memory is freed once no handed-out view references it)."""

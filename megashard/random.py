@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -42,18 +42,28 @@ DeviceLike = Union[int, str, torch.device]
 
 
 # --------------------------------------------------------------------------- device generator access
+_HAS_CUDA: Optional[bool] = None
+
+
 def _use_cuda() -> bool:
-    return torch.cuda.is_available()
+    """torch.cuda.is_available(), asked once per process (it costs microseconds; forks ask often)."""
+    global _HAS_CUDA
+    if _HAS_CUDA is None:
+        _HAS_CUDA = torch.cuda.is_available()
+    return _HAS_CUDA
 
 
 def _cuda_generator(device: DeviceLike) -> torch.Generator:
     """Default generator of a CUDA device; ``-1``/``"cuda"``/``None`` index mean the current device."""
-    if isinstance(device, int):
-        index: Optional[int] = None if device < 0 else device
+    if device == -1 or device == "cuda":
+        index: Optional[int] = None
+    elif isinstance(device, int):
+        index = None if device < 0 else device
     else:
         dev = torch.device(device)
         index = dev.index if dev.type == "cuda" else None
-    torch.cuda.init()  # default_generators is empty until CUDA is initialised
+    if not torch.cuda.default_generators:
+        torch.cuda.init()  # default_generators stays empty until CUDA is initialised
     if index is None:
         index = torch.cuda.current_device()
     return torch.cuda.default_generators[index]
@@ -61,9 +71,9 @@ def _cuda_generator(device: DeviceLike) -> torch.Generator:
 
 def _device_generator(device: DeviceLike) -> torch.Generator:
     """The generator a tracker drives: a CUDA default generator, or the CPU one without CUDA."""
-    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu":
-        return torch.default_generator
     if not _use_cuda():
+        return torch.default_generator
+    if device == "cpu" or (not isinstance(device, int) and device != "cuda" and torch.device(device).type == "cpu"):
         return torch.default_generator
     return _cuda_generator(device)
 
@@ -140,12 +150,6 @@ class RNGStatesTracker:
         self.seeds_: set[int] = set()
         self._seed_owner: dict[int, str] = {}
 
-    def _get(self) -> Any:
-        return _get_cuda_rng_state(graph_safe=self.use_cudagraphable_rng)
-
-    def _set(self, state: Any) -> None:
-        _set_cuda_rng_state(state, graph_safe=self.use_cudagraphable_rng)
-
     # -- snapshot / restore
     def get_states(self) -> dict[str, Any]:
         """Snapshot of every stream: ``{name: state}``.
@@ -198,37 +202,55 @@ class RNGStatesTracker:
         self.states_[name] = new_state
         self._is_initialized = True
 
-    @contextlib.contextmanager
-    def _fork(self, name: str) -> Iterator[None]:
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> contextlib.AbstractContextManager:
+        """Context manager that draws from stream ``name`` inside the block (default: model-parallel)."""
+        if self.is_inference_rng_tracker:
+            return contextlib.nullcontext()
         if name not in self.states_:
             raise RNGTrackerError(
                 f"RNG stream {name!r} was never added (streams: {sorted(self.states_)}); "
                 "call add(name, seed) or model_parallel_manual_seed(seed) first."
             )
-        # Each level saves what the generator held on entry. If an outer fork is active, that is the
-        # outer stream's live state: write it back first so that a nested fork of the *same* stream
-        # continues from it instead of replaying the stale state stored when the outer fork began.
-        entry_state = self._get()
-        if self._active:
-            self.states_[self._active[-1]] = entry_state
-        self._set(self.states_[name])
-        self._active.append(name)
-        try:
-            yield
-        finally:
-            self._active.pop()
-            if name in self.states_:  # absent if reset() ran inside the block
-                self.states_[name] = self._get()
-            if self._active and self._active[-1] in self.states_:
-                self._set(self.states_[self._active[-1]])  # the outer stream, possibly advanced by us
-            else:
-                self._set(entry_state)
+        return _Fork(self, name)
 
-    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> contextlib.AbstractContextManager:
-        """Context manager that draws from stream ``name`` inside the block (default: model-parallel)."""
-        if self.is_inference_rng_tracker:
-            return contextlib.nullcontext()
-        return self._fork(name)
+
+class _Fork:
+    """One fork level (a class, not @contextmanager: a fork is entered per layer per step, keep it cheap).
+
+    Each level saves what the generator held on entry. If an outer fork is active, that is the outer
+    stream's live state: it is written back first, so a nested fork of the *same* stream continues
+    from it instead of replaying the stale state stored when the outer fork began. On exit the
+    stream's state is stored and the generator goes back to the outer stream (possibly advanced by
+    this level) or, at the outermost level, to the state saved on entry.
+    """
+
+    __slots__ = ("tracker", "name", "gen", "entry_state")
+
+    def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
+        self.tracker, self.name = tracker, name
+
+    def __enter__(self) -> None:
+        t = self.tracker
+        gen = self.gen = _device_generator(-1)
+        graph_safe = t.use_cudagraphable_rng
+        self.entry_state = gen.graphsafe_get_state() if graph_safe else gen.get_state()
+        if t._active:
+            t.states_[t._active[-1]] = self.entry_state
+        state = t.states_[self.name]
+        gen.graphsafe_set_state(state) if graph_safe else gen.set_state(state)
+        t._active.append(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        t, gen, states = self.tracker, self.gen, self.tracker.states_
+        graph_safe = t.use_cudagraphable_rng
+        t._active.pop()
+        if self.name in states:  # absent if reset() ran inside the block
+            states[self.name] = gen.graphsafe_get_state() if graph_safe else gen.get_state()
+        if t._active and t._active[-1] in states:
+            back = states[t._active[-1]]
+        else:
+            back = self.entry_state
+        gen.graphsafe_set_state(back) if graph_safe else gen.set_state(back)
 
 
 CudaRNGStatesTracker = RNGStatesTracker  # Megatron-LM's name
@@ -317,7 +339,7 @@ def initialize_rng_tracker(
                 f"RNG tracker already initialised with {_describe_flags(_RNG_TRACKER_FLAGS)}; the request for "
                 f"{_describe_flags(flags)} is ignored. Pass force_reset=True to replace the tracker "
                 "(its streams are lost, reseed afterwards).",
-                stacklevel=3,
+                stacklevel=2,
             )
         return
     if use_te_rng_tracker:
@@ -424,9 +446,11 @@ def model_parallel_manual_seed(
     the tracker is reset and gets ``data-parallel-rng`` (seed), ``model-parallel-rng``
     (seed + 2718 + tp_rank: differs across tensor-parallel ranks) and ``expert-parallel-rng``
     (seed + 1024 + 100·ep_rank + expt_tp_rank). Ranks default to the current ParallelState's
-    ``rank_in("tp"/"ep"/"expt_tp")``. Only the device generator is seeded (CUDA current device, or the
-    CPU generator without CUDA); seed Python/NumPy/CPU yourself, and add a per-pipeline-stage offset
-    to ``seed`` if stages must differ (Megatron's training loop uses seed + 100·pp_rank).
+    ``rank_in("tp"/"ep"/"expt_tp")``. The tracker flags act as in :func:`get_cuda_rng_tracker`: none
+    given means "seed the existing tracker"; ``force_reset_rng=True`` replaces it. Only the device
+    generator is seeded (CUDA current device, or the CPU generator without CUDA); seed Python/NumPy/CPU
+    yourself, and add a per-pipeline-stage offset to ``seed`` if stages must differ (Megatron's
+    training loop uses seed + 100·pp_rank).
     """
     if tp_rank is None or ep_rank is None or expt_tp_rank is None:
         st_tp, st_ep, st_etp = _ranks_from_state()
@@ -434,8 +458,9 @@ def model_parallel_manual_seed(
         ep_rank = st_ep if ep_rank is None else ep_rank
         expt_tp_rank = st_etp if expt_tp_rank is None else expt_tp_rank
     seeds = seeds_for_ranks(seed, tp_rank, ep_rank, expt_tp_rank)  # validates before touching any state
-    initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng)
-    tracker = _RNG_TRACKER
+    if force_reset_rng:
+        initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=True)
+    tracker = get_cuda_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
     tracker.reset()
     _manual_seed_device(seed)
     for name, value in seeds.items():

@@ -7,10 +7,12 @@ and every stream of the RNG tracker to what they were at the forward, so dropout
 plain run. Afterwards the generators are put back where backward found them.
 
 With ``distribute_saved_activations=True`` only ``1/tp`` of the first argument is kept between
-forward and backward: each tensor-parallel rank keeps its slice and backward all-gathers it back.
+forward and backward: each tensor-parallel rank keeps its slice and backward all-gathers it back
+(the first argument must therefore be replicated across the tensor-parallel group).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,6 +60,12 @@ def _gather_1d(chunk: torch.Tensor, numel: int, group: Any) -> torch.Tensor:
     return torch.cat(parts)[:numel]
 
 
+def _autocast_snapshot() -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast on/off and dtype per device type, so the recompute runs in the forward's precision."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
 def _rng_snapshot() -> tuple[torch.Tensor, Any, dict]:
     return torch.get_rng_state(), _get_cuda_rng_state(), get_cuda_rng_tracker().get_states()
 
@@ -76,13 +84,14 @@ class CheckpointFunction(torch.autograd.Function):
     def forward(ctx: Any, run_function: Callable, distribute_saved_activations: bool, group: Any, *args: Any) -> Any:
         ctx.run_function = run_function
         ctx.rng = _rng_snapshot()
+        ctx.autocast = _autocast_snapshot()
         with torch.no_grad():
             outputs = run_function(*args)
 
         # Non-tensors are kept as they are; tensors go through save_for_backward (version checks).
         ctx.tensor_idx = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        ctx.requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
         tensors = [args[i] for i in ctx.tensor_idx]
         ctx.distributed = None
         if distribute_saved_activations and tensors and torch.is_tensor(args[0]):
@@ -108,12 +117,15 @@ class CheckpointFunction(torch.autograd.Function):
             saved[0] = _gather_1d(saved[0], numel, group).view(shape)
         inputs = list(ctx.others)
         for slot, i in enumerate(ctx.tensor_idx):
-            inputs[i] = saved[slot].detach().requires_grad_(ctx.requires_grad[i])
+            inputs[i] = saved[slot].detach().requires_grad_(ctx.input_requires_grad[i])
 
         bwd_rng = _rng_snapshot()
         _rng_restore(ctx.rng)
         try:
-            with torch.enable_grad():
+            with contextlib.ExitStack() as stack:
+                for device_type, enabled, dtype in ctx.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.enable_grad())
                 outputs = ctx.run_function(*inputs)
         finally:
             _rng_restore(bwd_rng)
@@ -127,7 +139,7 @@ class CheckpointFunction(torch.autograd.Function):
         ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = tuple(x.grad if torch.is_tensor(x) and ctx.requires_grad[i] else None for i, x in enumerate(inputs))
+        grads = tuple(x.grad if torch.is_tensor(x) and ctx.input_requires_grad[i] else None for i, x in enumerate(inputs))
         return (None, None, None) + grads
 
 
@@ -136,7 +148,10 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args: An
 
     ``distribute_saved_activations=True`` keeps only this rank's ``1/tp`` slice of ``args[0]`` until
     backward (the saved input is split over ``group``, default: the current ParallelState's ``"tp"``
-    group, and all-gathered back; the tensor need not divide evenly). RNG streams are replayed, so
+    group, and all-gathered back; the tensor need not divide evenly). As in Megatron, ``args[0]``
+    must hold the same values on every rank of ``group`` (true for activations between
+    tensor-parallel layers without sequence parallelism); this is not checked (it would cost a
+    collective). RNG streams are replayed, so
     the recomputed activations and the gradients equal those of ``function(*args)`` bit for bit.
     Only the positional tensors in ``args`` receive gradients; parameters used inside ``function``
     get theirs accumulated in ``.grad`` as usual. Use ``.backward()``, not ``torch.autograd.grad``.

@@ -68,6 +68,34 @@ def init_distributed(config: ParallelConfig) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.timeout))
 
 
+# Communicators are pooled per process: PyTorch names a locally-synchronised group by a hash of its ranks
+# and of the number of live groups, so destroying and re-creating the same rank set would reuse the old
+# group's store keys and connect to dead sockets. Re-initialising megashard therefore reuses the pooled
+# communicator (also the fast path: creating NCCL communicators is the slow part of start-up).
+_POOL: dict[tuple, dist.ProcessGroup] = {}
+_POOL_WORLD: list = [None]  # the default group the pool belongs to
+
+
+def _pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str) -> tuple[dist.ProcessGroup, bool]:
+    """The pooled group for ``ranks`` (created by its members only on first use); (group, created_now)."""
+    world = dist.group.WORLD
+    if _POOL_WORLD[0] is not world:  # a new default group: the old communicators died with the old one
+        _POOL.clear()
+        _POOL_WORLD[0] = world
+    key = (ranks, timeout.total_seconds(), backend)
+    pg = _POOL.get(key)
+    if pg is not None:
+        return pg, False
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc)
+    _POOL[key] = pg
+    return pg, True
+
+
+def pooled_group_count() -> int:
+    """How many communicators megashard holds in this process (for tests and benchmarks)."""
+    return len(_POOL)
+
+
 class ParallelState:
     """Process groups, device meshes and per-rank state of one parallel layout.
 
@@ -91,17 +119,17 @@ class ParallelState:
         self.device_type = device_type or _device_type(config)
         self._timeout = timedelta(seconds=config.timeout)
         self._groups: dict[str, dist.ProcessGroup] = {}
-        self._owned: list[dist.ProcessGroup] = []  # groups this state created (destroyed on teardown)
         self._meshes: dict[str, DeviceMesh] = {}
         self._views: dict[str, DeviceMesh] = {}
         self._destroyed = False
-        self._index = None
+        self._gloo_twins: dict[str, dist.ProcessGroup] = {}
         self._create_groups()
 
     # ------------------------------------------------------------------ construction
     def _create_groups(self) -> None:
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         world = tuple(range(self.world_size))
+        created = 0
         for name in GROUP_NAMES:
             ranks = tuple(self.layout.group_of(name, self.global_rank))
             pg = by_ranks.get(ranks)
@@ -110,14 +138,14 @@ class ParallelState:
                     pg = dist.group.WORLD  # the default group already spans the world
                 else:
                     # Only members call: no rank waits on groups it is not part of.
-                    pg = dist.new_group(
-                        list(ranks), timeout=self._timeout, use_local_synchronization=True,
-                        group_desc=f"megashard:{name}",
-                    )
-                    self._owned.append(pg)
+                    pg, new = _pooled_group(ranks, self._timeout, None, f"megashard:{name}")
+                    created += new
                 by_ranks[ranks] = pg
             self._groups[name] = pg
-        self.groups_created = len(self._owned)
+        #: communicators this rank created for this state (0 when re-using pooled ones)
+        self.groups_created = created
+        #: distinct communicators this state uses
+        self.groups_used = len(by_ranks)
 
     def _rank_tensor(self, view: str) -> torch.Tensor:
         """The rank at every coordinate of a view, computed with one permute (no per-rank Python loop)."""
@@ -211,6 +239,24 @@ class ParallelState:
         self._check_name(name)
         return self._groups[name]
 
+    def gloo_group(self, name: str) -> dist.ProcessGroup:
+        """A gloo group with the members of ``name`` for CPU-side work.
+
+        On a gloo job this is the group itself. Otherwise the first call creates gloo twins of every
+        group at once, in a fixed order, so it must be made by every rank (like initialisation).
+        """
+        pg = self.group(name)
+        if dist.get_backend(pg) == "gloo":
+            return pg
+        if not self._gloo_twins:
+            by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+            for n in GROUP_NAMES:
+                ranks = tuple(self.layout.group_of(n, self.global_rank))
+                if ranks not in by_ranks:
+                    by_ranks[ranks], _ = _pooled_group(ranks, self._timeout, "gloo", f"megashard:{n}:gloo")
+                self._gloo_twins[n] = by_ranks[ranks]
+        return self._gloo_twins[name]
+
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's ``name`` group, in group-rank order."""
         self._check_name(name)
@@ -248,19 +294,14 @@ class ParallelState:
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
-        """Destroy every process group this state created and forget its meshes. Idempotent."""
+        """Forget every group and mesh of this state (communicators stay pooled for re-use). Idempotent."""
         if self._destroyed:
             return
         self._destroyed = True
         self._meshes.clear()
         self._views.clear()
-        for pg in self._owned:
-            try:
-                dist.destroy_process_group(pg)
-            except (ValueError, RuntimeError):
-                pass  # already destroyed with the default group
-        self._owned.clear()
         self._groups.clear()
+        self._gloo_twins.clear()
 
     def __repr__(self) -> str:
         s = self.sizes

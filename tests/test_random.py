@@ -188,6 +188,21 @@ def test_second_initialisation_with_other_flags_warns():
     assert get_cuda_rng_tracker().is_inference_rng_tracker
 
 
+def test_manual_seed_keeps_existing_tracker_unless_flags_differ():
+    t = get_cuda_rng_tracker(inference_rng_tracker=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model_parallel_manual_seed(1, tp_rank=0, ep_rank=0, expt_tp_rank=0)  # no flags: seeds the existing one
+    assert get_cuda_rng_tracker() is t
+    mr._reset_for_destroy()
+    t = get_cuda_rng_tracker()
+    with pytest.warns(UserWarning, match="inference_rng_tracker=True"):
+        model_parallel_manual_seed(1, inference_rng_tracker=True, tp_rank=0, ep_rank=0, expt_tp_rank=0)
+    assert get_cuda_rng_tracker() is t and not t.is_inference_rng_tracker
+    model_parallel_manual_seed(1, inference_rng_tracker=True, tp_rank=0, ep_rank=0, expt_tp_rank=0, force_reset_rng=True)
+    assert get_cuda_rng_tracker().is_inference_rng_tracker
+
+
 def test_cudagraphable_rng_without_cuda_is_a_clear_error():
     with pytest.raises(ConfigError, match="use_cudagraphable_rng=True needs CUDA"):
         initialize_rng_tracker(use_cudagraphable_rng=True)

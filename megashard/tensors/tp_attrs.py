@@ -130,7 +130,7 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 def set_tensor_parallel_mode(param: torch.Tensor, mode: str) -> None:
     """Annotate ``param`` the Megatron-FSDP way: ``mode`` is "column" (dim 0), "row" (dim 1) or "replicated"."""
     if mode not in TP_MODES:
-        raise ConfigError(f"tensor parallel mode {mode!r} is not one of {sorted(TP_MODES)}")
+        raise ConfigError(f"tensor parallel mode {mode!r} is not legal; use one of {sorted(TP_MODES)}")
     if TP_MODES[mode] is not None and TP_MODES[mode] >= param.dim():
         raise ConfigError(
             f"mode {mode!r} splits dim {TP_MODES[mode]}, but the parameter has shape {tuple(param.shape)}; "
