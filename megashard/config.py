@@ -210,6 +210,11 @@ class ParallelConfig:
                 )
             dense[name] = W // fixed
         else:
+            if fixed != W and self.dp != -1 and W % (tp * cp * pp) == 0:
+                raise ConfigError(
+                    f"dp={self.dp} does not match world/(tp·cp·pp) = {W}/({tp}·{cp}·{pp}) = {W // (tp * cp * pp)}; "
+                    "set dp: -1 to derive it"
+                )
             if fixed != W:
                 raise ConfigError(
                     f"tp·cp·pp·dp_outer·dp_shard = {tp}·{cp}·{pp}·{dpo}·{dps} = {fixed} must equal the world size {W}"
@@ -219,11 +224,6 @@ class ParallelConfig:
         if dp != -1 and dp != dp_resolved:
             raise ConfigError(
                 f"dp={dp} does not match world/(tp·cp·pp) = {W}/({tp}·{cp}·{pp}) = {dp_resolved}; set dp: -1 to derive it"
-            )
-        if dp_resolved % dpo:
-            raise ConfigError(
-                f"data parallel size ({dp_resolved}) must be divisible by dp_outer ({dpo}); valid dp_outer: "
-                f"{_fmt_divisors(dp_resolved)}"
             )
 
         # Expert layout: expt_tp · ep · expt_dp = tp · cp · dp (the ranks of one pipeline stage).

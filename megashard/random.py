@@ -164,6 +164,18 @@ class RNGStatesTracker:
             states = {k: (v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in states.items()}
         return states
 
+    def active_forks(self) -> tuple[str, ...]:
+        """Names of the forks currently entered, outermost first."""
+        return tuple(self._active)
+
+    def set_active_forks(self, names: tuple[str, ...]) -> None:
+        """Declare which forks are entered (recompute replays a layer that ran inside forks).
+
+        Only bookkeeping: the generator is not touched. With ``("a",)`` the generator is taken to
+        hold stream "a", so a nested ``fork("a")`` continues it, exactly as during the original run.
+        """
+        self._active = list(names)
+
     def set_states(self, states: dict[str, Any]) -> None:
         """Replace every stream by ``states`` (as returned by :meth:`get_states`). Seeds are not tracked."""
         if self.is_inference_rng_tracker:

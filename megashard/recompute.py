@@ -66,15 +66,22 @@ def _autocast_snapshot() -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
 
 
-def _rng_snapshot() -> tuple[torch.Tensor, Any, dict]:
-    return torch.get_rng_state(), _get_cuda_rng_state(), get_cuda_rng_tracker().get_states()
+def _rng_snapshot() -> tuple[torch.Tensor, Any, dict, Optional[tuple[str, ...]]]:
+    tracker = get_cuda_rng_tracker()
+    # The fork stack matters too: a layer run inside fork("a") that forks "a" again continues the
+    # live stream; the replay must see the same stack (TE's tracker has none: None).
+    active = tracker.active_forks() if hasattr(tracker, "active_forks") else None
+    return torch.get_rng_state(), _get_cuda_rng_state(), tracker.get_states(), active
 
 
-def _rng_restore(snapshot: tuple[torch.Tensor, Any, dict]) -> None:
-    cpu, device, tracker = snapshot
+def _rng_restore(snapshot: tuple[torch.Tensor, Any, dict, Optional[tuple[str, ...]]]) -> None:
+    cpu, device, states, active = snapshot
+    tracker = get_cuda_rng_tracker()
     torch.set_rng_state(cpu)
     _set_cuda_rng_state(device)  # without CUDA this is the CPU generator again: same state, harmless
-    get_cuda_rng_tracker().set_states(tracker)
+    tracker.set_states(states)
+    if active is not None and hasattr(tracker, "set_active_forks"):
+        tracker.set_active_forks(active)
 
 
 class CheckpointFunction(torch.autograd.Function):

@@ -108,14 +108,44 @@ def test_without_rng_replay_gradients_differ(monkeypatch):
 
 
 def test_recompute_runs_under_forward_autocast():
-    blocks = make_blocks(1)
+    """Forward under autocast, backward outside it (as training loops do): recompute must use bf16 too."""
+    (block,) = make_blocks(1)
     x0 = torch.randn(4, 5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+
+    def fwd_bwd(ckpt: bool, autocast: bool = True):
         model_parallel_manual_seed(SEED, tp_rank=0, ep_rank=0, expt_tp_rank=0)
-        ref = run(blocks, x0, ckpt=False)
-        got = run(blocks, x0, ckpt=True)
-    assert ref[0].dtype == torch.bfloat16  # the block really ran in bf16
-    assert_bitwise_equal(ref, got)
+        block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = checkpoint(block, False, x) if ckpt else block(x)
+        y.float().sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in block.parameters()]
+
+    ref, got = fwd_bwd(False), fwd_bwd(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert not torch.equal(ref[1], fwd_bwd(False, autocast=False)[1])  # bf16 really changed the numbers
+
+
+def test_checkpoint_inside_a_fork_of_the_same_stream():
+    """Forward inside fork(); the layer forks the same stream again; backward runs outside any fork."""
+    (block,) = make_blocks(1)  # forks 'model-parallel-rng' internally
+    x0 = torch.randn(4, 5)
+
+    def fwd_bwd(ckpt: bool):
+        model_parallel_manual_seed(SEED, tp_rank=0, ep_rank=0, expt_tp_rank=0)
+        block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        with get_cuda_rng_tracker().fork():
+            h = F.dropout(x, 0.2, training=True)
+            y = checkpoint(block, False, h) if ckpt else block(h)
+            y = F.dropout(y, 0.2, training=True)
+        y.sum().backward()
+        with get_cuda_rng_tracker().fork():
+            after = torch.rand(3)
+        return [y.detach(), x.grad, after] + [p.grad for p in block.parameters()]
+
+    ref, got = fwd_bwd(False), fwd_bwd(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
 def test_activations_are_recomputed_not_stored():

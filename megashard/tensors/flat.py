@@ -353,6 +353,10 @@ class ShardedFlatTensor(torch.Tensor):
         """Replace the data in place by the full tensor (gathered unless ``unsharded_data`` is given).
 
         With ``rank0_only``, ranks other than 0 hold an empty tensor. Call :meth:`reshard_` afterwards.
+
+        Autograd: PyTorch caches a parameter's gradient accumulator with the shape it had when a graph
+        used it, so do not keep a graph built on the sharded data (e.g. an old ``loss``) alive across
+        ``unshard_``/``reshard_``; a backward through it would fail with a shape mismatch.
         """
         if not self.is_sharded:
             raise StateError("unshard_() called twice; call reshard_() first")

@@ -168,7 +168,8 @@ class _Work:
         self.gshape = tuple(int(s) for s in dtensor.shape)
         self.lshape = tuple(int(s) for s in dtensor.to_local().shape)
         self.orders = _dim_orders(mesh_shape, dtensor.placements, len(self.gshape))
-        self.tab = {d: np.array(self.lshape[d], dtype=np.int64) for d in sorted(self.orders)}
+        lsh = self.lshape if len(self.lshape) == len(self.gshape) else (0,) * len(self.gshape)
+        self.tab = {d: np.array(lsh[d], dtype=np.int64) for d in sorted(self.orders)}
         self.tab_axes: dict[int, list[int]] = {d: [] for d in self.orders}
         self.todo = {d: len(a) for d, a in self.orders.items()}
         self.levels: dict[int, list[Level]] = {d: [] for d in self.orders}
@@ -244,8 +245,8 @@ def _all_gather_rows(vec: np.ndarray, group, group_ranks: Sequence[int], device)
     return [outs[g].cpu().numpy() for g in group_ranks]
 
 
-def _summaries(works: Sequence[_Work]) -> list[tuple]:
-    return [(w.key, w.gshape, tuple(str(p) for p in w.dtensor.placements), str(w.dtensor.dtype)) for w in works]
+def _summaries(items: Sequence[tuple[str, DTensor]]) -> list[tuple]:
+    return [(k, tuple(int(x) for x in dt.shape), tuple(str(p) for p in dt.placements), str(dt.dtype)) for k, dt in items]
 
 
 def _describe_mismatch(rows: Sequence[list[tuple]], line: Sequence[int]) -> str:
@@ -267,93 +268,100 @@ def _describe_mismatch(rows: Sequence[list[tuple]], line: Sequence[int]) -> str:
     return "; ".join(msgs[:6]) or "the key lists are equal but in a different order"
 
 
-def _exchange(mesh: DeviceMesh, works: list[_Work], check_peers: bool) -> list[ChunkLayout]:
+class _Errors:
+    """The first error of a mesh exchange, agreed on by every rank (min of (rank, code) pairs)."""
+
+    def __init__(self) -> None:
+        self.code, self.rank = 0, _NO_RANK
+        self.details: list[str] = []  # what this rank saw itself
+
+    def add(self, code: int, rank: int, detail: Optional[str] = None) -> None:
+        if detail:
+            self.details.append(detail)
+        if code and (self.code == 0 or (rank, code) < (self.rank, self.code)):
+            self.code, self.rank = code, rank
+
+    def raise_if_any(self, mesh: DeviceMesh) -> None:
+        if not self.code:
+            return
+        cls = StateDictMismatchError if self.code in (_ERR_KEYS, _ERR_LAYOUT) else UnevenDTensorError
+        here = "; ".join(self.details[:6]) if self.details else f"see the error raised on rank {self.rank}"
+        raise cls(
+            f"uneven DTensor metadata on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names or ''} failed "
+            f"(reported by rank {self.rank}): {_ERR_TEXT[self.code]}: {here}. Every rank of a mesh must pass "
+            "the same DTensor keys with the same global shapes, placements and dtypes, and the local shards must "
+            "tile the global shape (consecutive pieces per mesh axis, nested with mesh axis 0 outermost)."
+        )
+
+
+def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, DTensor]], check_peers: bool) -> list[ChunkLayout]:
     """Run the per-axis exchange for ``works`` (all on ``mesh``); raise on every rank if anything is wrong.
 
-    ``check_peers`` adds the fixed-size header round that lets ranks with different state dicts
-    notice it without exchanging payloads of different lengths. Without it (one DTensor, whose
-    shape and placements every rank shares by contract) the error flag travels in the payload.
+    Axes go 0, 1, ...; after axis k every rank agrees with all ranks that differ from it only in
+    axes <= k, so after the last axis all ranks of the mesh agree on the error state.
+    ``check_peers`` (state dicts) adds a fixed-size header round first, so ranks with different
+    state dicts notice it before exchanging payloads of different lengths, and skip the payload
+    once anything is wrong. Without it (one DTensor, whose shape and placements every rank shares
+    by contract) the error flag travels in the payload, whose length is then always the same.
     """
     coord = [int(c) for c in mesh.get_coordinate()]
-    mesh_shape = tuple(int(s) for s in mesh.shape)
     device = _comm_device(mesh)
     me = dist.get_rank()
-    problems: list[str] = []
-    err_code, err_rank = 0, _NO_RANK
+    errs = _Errors()
     for w in works:
-        p = w.local_problem()
-        if p:
-            problems.append(p)
-            err_code, err_rank = _ERR_LOCAL, me
-    fp_keys = _fingerprint([w.key for w in works])
-    fp_layout = _fingerprint(_summaries(works))
+        errs.add(_ERR_LOCAL, me, w.local_problem())
+    summary = _summaries(items)
+    fp_keys, fp_layout = _fingerprint([k for k, _ in items]), _fingerprint(summary)
 
-    for axis, n in enumerate(mesh_shape):
+    for axis, n in enumerate(int(s) for s in mesh.shape):
         if n == 1:
-            if err_code == 0:
-                for w in works:
+            for w in works:
+                if not errs.code or not check_peers:
                     w.absorb(axis, [w.payload()], coord)
             continue
         group, line, granks = _axis_peers(mesh, axis, coord)
-        payloads = [w.payload() for w in works] if err_code == 0 else []
-        length = int(sum(p.size for p in payloads))
         if check_peers:
-            header = np.array([len(works), fp_keys, fp_layout, length, err_code, err_rank], dtype=np.int64)
+            payloads = [w.payload() for w in works] if not errs.code else []
+            length = int(sum(p.size for p in payloads))
+            header = np.array([len(items), fp_keys, fp_layout, length, errs.code, errs.rank], dtype=np.int64)
             heads = _all_gather_rows(header, group, granks, device)
-            if any(not np.array_equal(h[:4], heads[0][:4]) for h in heads):
+            for h in heads:
+                errs.add(int(h[4]), int(h[5]))
+            if not errs.code and any(not np.array_equal(h[:4], heads[0][:4]) for h in heads):
                 # Every rank of this group sees the same headers, so all of them take this extra step.
                 summaries: list[Any] = [None] * n
-                dist.all_gather_object(summaries, _summaries(works), group=group)
-                summaries = [summaries[g] for g in granks]
+                dist.all_gather_object(summaries, summary, group=group)
                 keys_differ = any(h[0] != heads[0][0] or h[1] != heads[0][1] for h in heads)
-                code = _ERR_KEYS if keys_differ else _ERR_LAYOUT
-                problems.append(f"mesh axis {axis} (ranks {line}): " + _describe_mismatch(summaries, line))
-                err_code, err_rank = (code, min(line)) if (code, min(line)) < (err_code or 99, err_rank) else (err_code, err_rank)
-            for h in heads:
-                if h[4] and (err_code == 0 or h[5] < err_rank):
-                    err_code, err_rank = int(h[4]), int(h[5])
-            if err_code:
+                errs.add(_ERR_KEYS if keys_differ else _ERR_LAYOUT, min(line),
+                         f"mesh axis {axis} (ranks {line}): " + _describe_mismatch([summaries[g] for g in granks], line))
+            if errs.code:
                 continue
-            rows = _all_gather_rows(np.concatenate(payloads) if payloads else np.zeros(0, np.int64), group, granks, device) \
-                if length else [np.zeros(0, np.int64)] * n
+            flat = np.concatenate(payloads) if payloads else np.zeros(0, np.int64)
+            rows = _all_gather_rows(flat, group, granks, device) if length else [flat] * n
         else:
-            vec = np.concatenate([np.array([fp_layout, err_code, err_rank], np.int64)] + payloads)
+            payloads = [w.payload() for w in works]
+            vec = np.concatenate([np.array([fp_layout, errs.code, errs.rank], np.int64)] + payloads)
             full = _all_gather_rows(vec, group, granks, device)
-            if any(r[0] != full[0][0] for r in full):
-                err_code, err_rank = _ERR_LAYOUT, min(line)
-                problems.append(f"mesh axis {axis} (ranks {line}): ranks passed DTensors with different global "
-                                "shapes, placements or dtypes to the same call")
             for r in full:
-                if r[1] and (err_code == 0 or r[2] < err_rank):
-                    err_code, err_rank = int(r[1]), int(r[2])
-            if err_code:
-                continue
+                errs.add(int(r[1]), int(r[2]))
+            if any(r[0] != full[0][0] for r in full):
+                errs.add(_ERR_LAYOUT, min(line), f"mesh axis {axis} (ranks {line}): ranks passed DTensors with "
+                         "different global shapes, placements or dtypes to the same call")
             rows = [r[3:] for r in full]
         pos = 0
         for w, p in zip(works, payloads):
             problem = w.absorb(axis, [r[pos:pos + p.size] for r in rows], coord)
             pos += p.size
             if problem:
-                problems.append(problem)
-                err_code, err_rank = _ERR_TILING, min(line)
+                errs.add(_ERR_TILING, min(line), problem)
 
     layouts: list[ChunkLayout] = []
-    if err_code == 0:
+    if not errs.code:
         for w in works:
             layout, problem = w.finish()
-            if problem:  # every rank computes the same totals, so every rank gets here
-                problems.append(problem)
-                err_code, err_rank = _ERR_TILING, 0
+            errs.add(_ERR_TILING if problem else 0, 0, problem)  # same totals on every rank
             layouts.append(layout)
-    if err_code:
-        cls = StateDictMismatchError if err_code in (_ERR_KEYS, _ERR_LAYOUT) else UnevenDTensorError
-        here = "; ".join(problems[:6]) if problems else f"see the error raised on rank {err_rank} for details"
-        raise cls(
-            f"uneven DTensor metadata on mesh {tuple(mesh_shape)} {mesh.mesh_dim_names or ''} failed "
-            f"(first reported by rank {err_rank}): {_ERR_TEXT[err_code]}: {here}. Every rank of a mesh must pass "
-            "the same DTensor keys with the same global shapes, placements and dtypes, and the local shards must "
-            "tile the global shape (consecutive pieces per mesh axis, nested with mesh axis 0 outermost)."
-        )
+    errs.raise_if_any(mesh)
     return layouts
 
 
@@ -405,21 +413,17 @@ def compute_chunk_layouts(
             except MegashardError as e:  # flag it through the exchange so every rank raises together
                 bad = bad or f"{key}: {e}"
         if bad is not None:
-            works = [_BrokenWork(bad, items)]
-        for (key, _), layout in zip(items, _exchange(mesh, works, check_peers=True)):
+            works = [_BrokenWork(bad)]  # type: ignore[list-item]
+        for (key, _), layout in zip(items, _exchange(mesh, works, items, check_peers=True)):
             out[key] = layout
     return out
 
 
-class _BrokenWork(_Work):
+class _BrokenWork:
     """Stands in for a state dict with invalid placements: it only carries the error into the exchange."""
 
-    def __init__(self, problem: str, items) -> None:  # noqa: D401 - no super(): nothing to compute
-        self.key, self.problem = "<invalid placements>", problem
-        self.dtensor = items[0][1]
-        self.tab, self.orders = {}, {}
-
-    __slots__ = ("problem",)
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
 
     def local_problem(self) -> Optional[str]:
         return self.problem
@@ -430,7 +434,8 @@ def _single_layout(dtensor: DTensor) -> ChunkLayout:
     mesh = dtensor.device_mesh
     if mesh.get_coordinate() is None:
         raise UnevenDTensorError(f"the calling rank {dist.get_rank()} is not in this DTensor's mesh {mesh}")
-    return _exchange(mesh, [_Work("<tensor>", dtensor, tuple(mesh.shape))], check_peers=False)[0]
+    items = [("<tensor>", dtensor)]
+    return _exchange(mesh, [_Work("<tensor>", dtensor, tuple(mesh.shape))], items, check_peers=False)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
