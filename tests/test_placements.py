@@ -98,12 +98,13 @@ class _Model(torch.nn.Module):
         self.row = torch.nn.Linear(6, 7)    # weight (7, 6): TP on dim 1, FSDP 4 / 3 rows; bias replicated on TP
         self.tiny = torch.nn.Linear(7, 2)   # weight (2, 7): 1 row per TP rank -> FSDP 1 / 0 (empty shard)
         self.big = torch.nn.Linear(3, 10)   # weight (10, 3): 5 rows per TP rank -> FSDP 3 / 2
+        self.odd = torch.nn.Linear(3, 7)    # weight (7, 3): TP 4 / 3 rows (uneven TP too) -> FSDP 2 / 2 and 2 / 1
         with torch.no_grad():
             for p in self.parameters():  # values = flat index: a local shard shows where it came from
                 p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape))
 
 
-_PLAN = {"col": "colwise", "row": "rowwise", "tiny": "colwise", "big": "colwise"}
+_PLAN = {"col": "colwise", "row": "rowwise", "tiny": "colwise", "big": "colwise", "odd": "colwise"}
 _MODES = {"colwise": "column", "rowwise": "row"}
 
 

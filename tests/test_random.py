@@ -96,6 +96,15 @@ def test_nested_forks_equal_sequential_forks(tracker):
         assert torch.equal(draw(), torch.rand(N, generator=gb))
 
 
+def test_active_forks_bookkeeping(tracker):
+    assert tracker.active_forks() == ()
+    with tracker.fork("a"):
+        with tracker.fork("b"):
+            assert tracker.active_forks() == ("a", "b")
+        assert tracker.active_forks() == ("a",)
+    assert tracker.active_forks() == ()
+
+
 def test_fork_restores_on_exception(tracker):
     torch.manual_seed(5)
     expected = torch.rand(N)

@@ -218,7 +218,7 @@ def distribute_shards_to_ranks(
         cross_parallelization_group_loads: shard ids to assign last (None = none).
 
     Returns:
-        shard id -> rank, in assignment order.
+        shard id -> rank (listed in the order of ``shard_to_ranks``).
 
     Raises:
         CheckpointError: a shard without size, without any holder in range, or incomparable shard ids.
@@ -269,11 +269,16 @@ def distribute_shards_to_ranks(
         ranks = None  # a holder far outside the group or not an int: let the reference explain
     if ranks is None:
         return _distribute_reference(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
-    ordered_ids = operator.itemgetter(*order)(ids) if n > 1 else (ids[order[0]],)
-    return dict(zip(ordered_ids, ranks))
+    # Built in input order: the ids stay in memory order, which makes hashing them ~3x cheaper than
+    # in assignment order (Megatron's dict order); the mapping itself is the same.
+    by_input = np.empty(n, dtype=np.int64)
+    by_input[np.asarray(order, dtype=np.int64)] = ranks
+    return dict(zip(ids, by_input.tolist()))
 
 
-def _assign(order: List[int], holders: List[Sequence[int]], cov: np.ndarray, sizes: np.ndarray, R: int):
+def _assign(
+    order: List[int], holders: List[Sequence[int]], cov: np.ndarray, sizes: np.ndarray, R: int
+) -> Optional[np.ndarray]:
     """Run the greedy over ``order``; returns the rank per position or None if a holder set is invalid.
 
     Loads are kept as ``enc[r] = load[r] * R + r``: one integer comparison orders by (load, rank).
@@ -337,7 +342,7 @@ def _assign(order: List[int], holders: List[Sequence[int]], cov: np.ndarray, siz
     ranks = np.asarray(out, dtype=np.int64)
     if int(ranks.min()) < 0 or int(ranks.max()) >= R:
         return None  # some shard had no holder inside the group
-    return ranks.tolist()
+    return ranks
 
 
 # --------------------------------------------------------------------------------------------------

@@ -291,14 +291,15 @@ class ShardedFlatTensor(torch.Tensor):
             sharding_spec = ShardingSpec.even(tuple(tensor.shape), world)
         if tuple(tensor.shape) != sharding_spec.unsharded_shape:
             raise ShardingError(f"tensor of shape {tuple(tensor.shape)} does not match ShardingSpec.unsharded_shape {sharding_spec.unsharded_shape}")
+        if sharding_spec.world_size != world:
+            raise ShardingError(
+                f"ShardingSpec lists {sharding_spec.world_size} ranks but the process group has {world}; "
+                "give one entry of unsharded_flattened_offsets per rank of the group"
+            )
         if synchronize and world > 1:
             tensor = tensor.detach().contiguous().clone()
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
             dist.broadcast(tensor, src, group=process_group)
-        if sharding_spec.world_size != world:
-            raise ShardingError(
-                f"ShardingSpec lists {sharding_spec.world_size} ranks but the process group has {world}"
-            )
         local = _take(tensor.detach().reshape(-1), sharding_spec.unsharded_flattened_offsets[rank])
         local = local.to(device=device if device is not None else tensor.device).clone()
         if requires_grad is None:  # parameters require grad like nn.Parameter; plain tensors follow the input

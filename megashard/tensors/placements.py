@@ -102,16 +102,17 @@ def ordered_index_runs_at(
     return tuple(tuple(r) for r in runs)
 
 
-def _check_representable(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> None:
+def _check_representable(size: int, mesh_shape: Sequence[int], placements: Sequence[Placement], what: str) -> None:
+    """Compare, for one dim of ``size`` elements, the layout FSDP makes with the one DTensor reads."""
     ordered = _explicit_order_placements(mesh_shape, placements)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        want = ordered_index_runs_at(global_shape, mesh_shape, ordered, coord)
-        got = global_index_runs_at(global_shape, mesh_shape, placements, coord)
+        want = ordered_index_runs_at([size], mesh_shape, ordered, coord)[0]
+        got = global_index_runs_at([size], mesh_shape, placements, coord)[0]
         if want != got:
             raise ShardingError(
-                f"shape {tuple(global_shape)} on mesh {tuple(mesh_shape)} with placements {list(placements)}: FSDP would "
-                f"give mesh coordinate {coord} the indices {want} but DTensor reads them as {got}. The TP-sharded dim "
-                "must divide by the product of the TP axis sizes (pad it, e.g. the vocabulary, as Megatron does)"
+                f"{what}: FSDP would give coordinate {coord} of those axes the indices {list(want)} but DTensor reads "
+                f"them as {list(got)}. The TP-sharded dim must divide by the product of the TP axis sizes "
+                "(pad it, e.g. the vocabulary, as Megatron does)"
             )
 
 
@@ -181,8 +182,9 @@ def resolve_placements(
         if isinstance(fsdp_p, _StridedShard) and int(global_shape[fsdp_dim]) % int(fsdp_p.split_factor) != 0:
             keep = [j for j, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == fsdp_dim]
             _check_representable(
-                [int(global_shape[fsdp_dim])], [sizes[j] for j in keep],
-                [_with_dim(placements[j], 0) for j in keep],
+                int(global_shape[fsdp_dim]), [sizes[j] for j in keep], [_with_dim(placements[j], 0) for j in keep],
+                f"parameter of shape {tuple(global_shape)}, dim {fsdp_dim} split over axes "
+                f"{tuple(names[j] for j in keep)} of sizes {tuple(sizes[j] for j in keep)} with {[placements[j] for j in keep]}",
             )
     return tuple(placements)
 

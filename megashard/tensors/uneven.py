@@ -309,7 +309,9 @@ def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, D
     me = dist.get_rank()
     errs = _Errors()
     for w in works:
-        errs.add(_ERR_LOCAL, me, w.local_problem())
+        problem = w.local_problem()
+        if problem:
+            errs.add(_ERR_LOCAL, me, problem)
     summary = _summaries(items)
     fp_keys, fp_layout = _fingerprint([k for k, _ in items]), _fingerprint(summary)
 

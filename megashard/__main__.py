@@ -1,0 +1,5 @@
+"""``python -m megashard`` = the ``megashard`` command line (see megashard/cli.py)."""
+from megashard.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The ``megashard`` command line.
+
+    megashard plan CONFIG [--world-size N] [--rank R] [--ranks-per-node G] [--format table|json]
+                          [--groups tp,dp] [--svg FILE] [key=value ...]
+
+Each subcommand lives in a ``_add_<name>(subparsers)`` function that builds its parser and sets
+``handler`` (a function ``args -> exit code``). Exit codes: 0 success, 1 the command ran but found a
+problem (e.g. ``plan --strict`` with locality warnings, an unwritable output file), 2 bad usage or an
+invalid config (the message goes to stderr, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+from megashard.errors import MegashardError
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show the rank layout of a config for any world size (no processes)",
+        description=(
+            "Resolve the parallel sizes of CONFIG's 'parallel:' section for a world size and show which ranks "
+            "form every group (Megatron-LM RankGenerator order), which groups cross node boundaries, and "
+            "optionally an SVG picture of the rank grid. Pure arithmetic: 131,072 ranks take well under a second."
+        ),
+        epilog=(
+            "examples:\n"
+            f"  megashard plan {DEFAULT_CONFIG}\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 parallel.dp_shard=-1 --rank 5\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
+            "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help=f"job YAML with a 'parallel:' section (e.g. {DEFAULT_CONFIG})")
+    p.add_argument(
+        "overrides", metavar="key=value", nargs="*",
+        help="dotted overrides applied to the YAML before validation, e.g. parallel.tp=4 launch.nnodes=2",
+    )
+    p.add_argument(
+        "--world-size", "-w", type=int, default=None, metavar="N",
+        help="number of ranks (default: launch.nnodes × launch.nproc_per_node from CONFIG)",
+    )
+    p.add_argument("--rank", "-r", type=int, default=0, metavar="R", help="rank whose groups are shown (default 0)")
+    p.add_argument(
+        "--ranks-per-node", "-g", type=int, default=8, metavar="G",
+        help="ranks per node for the locality report and the picture; node = rank // G (default 8)",
+    )
+    p.add_argument(
+        "--format", "-f", choices=("table", "json"), default="table",
+        help="table: sizes, the rank's groups, locality; json: the same plus every group of every name",
+    )
+    p.add_argument(
+        "--groups", metavar="NAMES", default=None,
+        help="comma-separated group names to show (default: all; for JSON of huge worlds restrict e.g. tp,dp); "
+        "also the panels of --svg",
+    )
+    p.add_argument("--all-groups", action="store_true", help="table format: also list every group of each name")
+    p.add_argument(
+        "--max-members", type=int, default=16, metavar="K",
+        help="table format: abbreviate groups longer than K ranks (0 = never; default 16)",
+    )
+    p.add_argument("--svg", metavar="FILE", default=None, help="write a picture of the rank grid coloured by group")
+    p.add_argument(
+        "--svg-max-ranks", type=int, default=512, metavar="M",
+        help="largest number of ranks drawn; bigger worlds show their first whole nodes (default 512)",
+    )
+    p.add_argument("--strict", action="store_true", help="exit 1 when the locality report has warnings")
+    p.set_defaults(handler=_cmd_plan, parser=p, accepts_overrides=True)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megashard.layout import RankLayout
+    from megashard.plan import build_plan, format_table, load_config, parse_group_names, render_svg
+
+    config, world_size = load_config(args.config, args.overrides, args.world_size)
+    layout = RankLayout(config, world_size)
+    names = parse_group_names(args.groups)
+    as_json = args.format == "json"
+    plan = build_plan(layout, args.rank, args.ranks_per_node, names, all_groups=as_json or args.all_groups)
+    svg = None
+    if args.svg:
+        from megashard.plan import locality
+
+        report = locality(layout, args.ranks_per_node)
+        svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
+    if as_json:
+        plan = {"config": args.config, "overrides": list(args.overrides), **plan}
+        sys.stdout.write(json.dumps(plan) + "\n")
+    else:
+        source = args.config + ("".join(f" {o}" for o in args.overrides))
+        sys.stdout.write(format_table(plan, args.max_members, source))
+    if svg is not None:
+        try:
+            with open(args.svg, "w", encoding="utf-8") as f:
+                f.write(svg)
+        except OSError as e:
+            print(f"megashard plan: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"megashard plan: wrote {args.svg}", file=sys.stderr)
+    if args.strict and plan["locality"]["warnings"]:
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- run
+# `megashard run CONFIG [key=value ...]` — launch the pretraining job (owner: the train/ developer).
+# Add `_add_run(sub)` here: build its parser with sub.add_parser("run", ...), then
+# p.set_defaults(handler=_cmd_run, parser=p, accepts_overrides=True), and register it in SUBCOMMANDS.
+
+
+# ---------------------------------------------------------------------------------------------- ckpt
+# `megashard ckpt ...` — inspect / convert checkpoints between layouts (owner: the checkpoint/ developer).
+# Add `_add_ckpt(sub)` here the same way (nested subparsers such as `ckpt inspect`, `ckpt reshard` are fine).
+
+
+#: Every subcommand's parser builder, in --help order. Append `_add_run`, `_add_ckpt` here.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of SUBCOMMANDS."""
+    from megashard import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="megashard",
+        description="megashard: parallel layouts (tp, cp, dp, pp, ep, ...) of large-model training on PyTorch.",
+        epilog="run 'megashard COMMAND --help' for the options of a command",
+    )
+    parser.add_argument("--version", action="version", version=f"megashard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script passes it to sys.exit)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # argparse stops filling a nargs="*" positional at the first option, so `plan cfg --rank 1
+            # parallel.tp=2` leaves the override over; take key=value items back, reject the rest.
+            sub = getattr(args, "parser", parser)
+            keep = [e for e in extra if "=" in e and not e.startswith("-")]
+            rest = [e for e in extra if e not in keep]
+            if rest or not getattr(args, "accepts_overrides", False):
+                sub.error(f"unrecognized arguments: {' '.join(rest or extra)}")
+            args.overrides = list(args.overrides) + keep
+    except SystemExit as e:  # --help, --version and usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return handler(args)
+    except MegashardError as e:
+        print(f"megashard {args.command}: error: {e}", file=sys.stderr)
+        return 2

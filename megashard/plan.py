@@ -1,0 +1,411 @@
+"""`megashard plan`: the report of a parallel layout for any world size, without processes.
+
+Everything here is arithmetic over :class:`~megashard.layout.RankLayout` (no torch.distributed), so a
+plan of one rank of a 131,072-rank world takes well under a second:
+
+- :func:`load_config` — the ``parallel:`` section and the launcher's world size of a job YAML;
+- :func:`build_plan` — a JSON-ready dict: resolved sizes, the groups and coordinates of one rank,
+  optionally every group of every name, and the node-locality report;
+- :func:`format_table` — the human-readable text of such a dict;
+- :func:`locality` — which groups cross node boundaries (per-group arithmetic, not per-rank lists);
+- :func:`render_svg` — a picture of the rank grid, one panel per group name, cells coloured by group.
+"""
+from __future__ import annotations
+
+import colorsys
+import math
+from typing import Any, Iterable, Sequence
+from xml.sax.saxutils import escape
+
+from megashard.config import ParallelConfig
+from megashard.errors import ConfigError
+from megashard.layout import (
+    DENSE_GROUPS,
+    DENSE_MESH_AXES,
+    EXPERT_GROUPS,
+    EXPERT_MESH_AXES,
+    GROUP_NAMES,
+    NODE_LOCAL_GROUPS,
+    LocalityReport,
+    RankLayout,
+)
+from megashard.yamlcfg import apply_overrides, load_yaml
+
+#: Group names drawn by default in the SVG (those with size > 1; duplicates of an earlier panel dropped).
+SVG_DEFAULT_GROUPS = ("tp", "cp", "dp_shard", "dp_outer", "dp", "pp", "ep", "expt_tp", "expt_dp")
+#: Sizes shown by the plan, in this order.
+SIZE_KEYS = ("world_size", "tp", "cp", "pp", "vpp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "order")
+
+
+# ---------------------------------------------------------------------------------------------- config
+def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
+    """World size from the launcher section ``launch: {nnodes, nproc_per_node}`` (None if absent)."""
+    launch = doc.get("launch")
+    if launch is None:
+        return None
+    if not isinstance(launch, dict):
+        raise ConfigError(f"{path}: 'launch' must be a mapping such as {{nnodes: 1, nproc_per_node: 4}}, got {launch!r}")
+    vals = {}
+    for key, default in (("nnodes", 1), ("nproc_per_node", None)):
+        v = launch.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{path}: launch.{key}={v!r} must be a positive integer")
+        vals[key] = v
+    return vals["nnodes"] * vals["nproc_per_node"]
+
+
+def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None = None) -> tuple[ParallelConfig, int]:
+    """The job's ParallelConfig (``parallel:`` section, overrides applied) and its world size.
+
+    ``world_size`` wins; otherwise it is ``launch.nnodes · launch.nproc_per_node`` from the file.
+    Raises ConfigError when neither is available or anything is invalid.
+    """
+    overrides = list(overrides)
+    config = ParallelConfig.from_yaml(path, overrides)
+    if world_size is None:
+        world_size = launch_world_size(apply_overrides(load_yaml(path), overrides), path)
+        if world_size is None:
+            raise ConfigError(
+                f"{path}: no world size: pass --world-size N or add 'launch: {{nnodes: 1, nproc_per_node: N}}' to the config"
+            )
+    elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size {world_size!r} must be a positive integer")
+    return config, world_size
+
+
+def parse_group_names(spec: str | None) -> list[str] | None:
+    """``"tp,dp"`` → ["tp", "dp"]; None/empty → None (all). Names are checked by the layout."""
+    if not spec:
+        return None
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    return names or None
+
+
+# ---------------------------------------------------------------------------------------------- locality
+def _axis_strides(layout: RankLayout, expert: bool) -> dict[str, tuple[int, int]]:
+    """axis -> (size, rank stride) of the dense or expert grid, read off each axis' group of rank 0."""
+    single = {"pp": "expt_pp"} if expert else {}
+    out = {}
+    for axis in EXPERT_MESH_AXES if expert else DENSE_MESH_AXES:
+        name = single.get(axis, axis)
+        g = layout.group_of(name, 0)
+        out[axis] = (len(g), g[1] if len(g) > 1 else 0)
+    return out
+
+
+def _span(dims: Iterable[tuple[int, int]]) -> list[int]:
+    offs = [0]
+    for size, stride in dims:
+        if size > 1:
+            offs = [o + i * stride for i in range(size) for o in offs]
+    return offs
+
+
+def locality(layout: RankLayout, ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
+    """Same result as ``layout.locality(ranks_per_node, names)``, computed without listing every group.
+
+    A group is ``base + offsets`` with the smallest offset 0 and the largest ``span``, so it crosses a
+    node boundary iff ``base % G + span >= G``: only the group bases are enumerated (world/size of
+    them), which keeps a 131,072-rank report in tens of milliseconds.
+    """
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ConfigError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
+    G = ranks_per_node
+    grids = {False: _axis_strides(layout, False), True: _axis_strides(layout, True)}
+    crossing: dict[str, tuple[int, int]] = {}
+    warn_names = []
+    for name in names:
+        if name == "world":
+            continue
+        if name in DENSE_GROUPS:
+            grid, axes = grids[False], DENSE_GROUPS[name]
+        elif name in EXPERT_GROUPS:
+            grid, axes = grids[True], EXPERT_GROUPS[name]
+        else:  # Megatron token strings ("tp-pp"): rare, take the exact (slower) path
+            crossing.update(layout.locality(G, [name]).crossing)
+            continue
+        size = math.prod(grid[a][0] for a in axes)
+        n_groups = layout.world_size // size
+        if size == 1:
+            crossing[name] = (0, n_groups)
+            continue
+        span = sum((grid[a][0] - 1) * grid[a][1] for a in axes)
+        bases = _span(grid[a] for a in grid if a not in axes)
+        threshold = G - span  # crosses iff base % G >= G - span
+        n_cross = n_groups if threshold <= 0 else sum(1 for b in bases if b % G >= threshold)
+        crossing[name] = (n_cross, n_groups)
+        if n_cross and name in NODE_LOCAL_GROUPS:
+            warn_names.append(name)
+    # The warning text is the layout's own (computed only for the few groups that need one).
+    warnings = layout.locality(G, warn_names).warnings if warn_names else ()
+    return LocalityReport(G, crossing, tuple(warnings))
+
+
+# ---------------------------------------------------------------------------------------------- report
+def build_plan(
+    layout: RankLayout,
+    rank: int = 0,
+    ranks_per_node: int = 8,
+    names: Sequence[str] | None = None,
+    all_groups: bool = False,
+) -> dict[str, Any]:
+    """The plan as a JSON-ready dict.
+
+    Keys: ``sizes`` (every resolved size, ``order`` as a string), ``mesh`` (dense and expert mesh
+    axes → sizes), ``rank``, ``coords`` (the rank's index on every axis), ``rank_groups`` (name →
+    ``{"ranks", "rank_in_group", "group_index", "num_groups"}``), ``locality`` (``ranks_per_node``,
+    ``crossing``: name → [groups crossing nodes, groups], ``warnings``) and, with ``all_groups``,
+    ``groups`` (name → every group, Megatron order). ``names`` restricts the group names (default:
+    every name in GROUP_NAMES).
+    """
+    names = list(names) if names else list(GROUP_NAMES)
+    sizes = layout.sizes.as_dict()
+    rank_groups = {}
+    for n in names:
+        members = layout.group_of(n, rank)  # validates rank and name (ConfigError)
+        rank_groups[n] = {
+            "ranks": members,
+            "rank_in_group": layout.rank_in(n, rank),
+            "group_index": layout.group_index(n, rank),
+            "num_groups": layout.world_size // len(members),
+        }
+    report = locality(layout, ranks_per_node)
+    plan: dict[str, Any] = {
+        "sizes": {k: sizes[k] for k in SIZE_KEYS},
+        "mesh": {
+            "dense": dict(zip(DENSE_MESH_AXES, layout.mesh_shape(expert=False))),
+            "expert": dict(zip(EXPERT_MESH_AXES, layout.mesh_shape(expert=True))),
+        },
+        "rank": rank,
+        "coords": layout.coords(rank),
+        "rank_groups": rank_groups,
+        "locality": {
+            "ranks_per_node": report.ranks_per_node,
+            "crossing": {k: list(v) for k, v in report.crossing.items()},
+            "warnings": list(report.warnings),
+        },
+    }
+    if all_groups:
+        plan["groups"] = {n: layout.groups(n) for n in names}
+    return plan
+
+
+def format_members(ranks: Sequence[int], limit: int = 16) -> str:
+    """``[0, 1]``; long groups abbreviated: ``[0, 8, 16, …, 1016] (128 ranks, stride 8)``."""
+    if limit <= 0 or len(ranks) <= limit:
+        return "[" + ", ".join(map(str, ranks)) + "]"
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    head = ", ".join(map(str, ranks[:3]))
+    if len(steps) == 1:
+        return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks, stride {steps.pop()})"
+    return f"[{head}, …, {ranks[-2]}, {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def format_table(plan: dict[str, Any], max_members: int = 16, source: str = "") -> str:
+    """The plan dict as aligned text: sizes, meshes, the rank's coordinates and groups, locality."""
+    s = plan["sizes"]
+    out = [f"megashard plan{': ' + source if source else ''} — {s['world_size']} ranks"]
+    out.append("")
+    out.append("resolved sizes")
+    for k in SIZE_KEYS:
+        v = s[k]
+        out.append(f"  {k:<11} {'none' if v is None else v}")
+    out.append("")
+    out.append("meshes")
+    for kind, axes in plan["mesh"].items():
+        out.append(f"  {kind:<7} ({', '.join(axes)}) = ({', '.join(str(v) for v in axes.values())})")
+    r = plan["rank"]
+    out.append("")
+    out.append(f"rank {r}")
+    out.append("  coords  " + " ".join(f"{k}={v}" for k, v in plan["coords"].items()))
+    out.append("")
+    rows = [("group", "size", "rank_in", "group#", "members")]
+    for n, g in plan["rank_groups"].items():
+        rows.append((n, str(len(g["ranks"])), str(g["rank_in_group"]), f"{g['group_index']}/{g['num_groups']}",
+                     format_members(g["ranks"], max_members)))
+    out.append(f"groups of rank {r}")
+    out += _align(rows)
+    if "groups" in plan:
+        for n, gs in plan["groups"].items():
+            out.append("")
+            out.append(f"all {n} groups ({len(gs)})")
+            for i, g in enumerate(gs):
+                out.append(f"  {i:>6}  {format_members(g, max_members)}")
+    loc = plan["locality"]
+    out.append("")
+    out.append(f"node locality ({loc['ranks_per_node']} ranks per node; node = rank // {loc['ranks_per_node']})")
+    rows = [("group", "size", "crossing/groups")]
+    world = s["world_size"]
+    rows += [(n, str(world // t), f"{c}/{t}") for n, (c, t) in loc["crossing"].items() if t < world]
+    out += _align(rows) if len(rows) > 1 else ["  (every group has size 1)"]
+    out.append("")
+    if loc["warnings"]:
+        out += [f"WARNING: {w}" for w in loc["warnings"]]
+    else:
+        out.append("no locality warnings (" + ", ".join(NODE_LOCAL_GROUPS) + " stay inside a node)")
+    return "\n".join(out) + "\n"
+
+
+def _align(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------- SVG
+def _palette(n: int) -> list[str]:
+    """``n`` distinct hex colours; consecutive indices far apart in hue (golden angle), three lightnesses."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for k in range(n):
+        h = (k * 137.508) % 360.0
+        light = (0.62, 0.78, 0.48)[(k // 7) % 3]
+        sat = (0.65, 0.45)[(k // 21) % 2]
+        while True:
+            r, g, b = colorsys.hls_to_rgb(h / 360.0, light, sat)
+            c = "#%02x%02x%02x" % (round(r * 255), round(g * 255), round(b * 255))
+            if c not in seen:
+                break
+            h = (h + 0.7) % 360.0  # rounding collision: nudge the hue
+        seen.add(c)
+        out.append(c)
+    return out
+
+
+def _text_colour(fill: str) -> str:
+    r, g, b = (int(fill[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "#ffffff"
+
+
+def default_svg_groups(layout: RankLayout, shown: int) -> list[str]:
+    """Names of SVG_DEFAULT_GROUPS with size > 1, dropping a name whose colouring of the shown ranks
+    equals an earlier one (e.g. dp = dp_shard without HSDP); ``["tp"]`` when every size is 1."""
+    chosen, seen = [], set()
+    for n in SVG_DEFAULT_GROUPS:
+        if layout.size(n) == 1:
+            continue
+        key = tuple(layout.group_index(n, r) for r in range(shown))
+        if key in seen:
+            continue
+        seen.add(key)
+        chosen.append(n)
+    return chosen or ["tp"]
+
+
+def render_svg(
+    layout: RankLayout,
+    names: Sequence[str] | None = None,
+    rank: int = 0,
+    ranks_per_node: int = 8,
+    max_ranks: int = 512,
+    report: LocalityReport | None = None,
+) -> str:
+    """An SVG picture of the rank grid: one panel per group name, each rank one labelled cell
+    (``<rect class="cell" data-rank=… data-group=…>`` with a ``<title>`` tooltip), coloured by its
+    group of that name; nodes (``ranks_per_node`` consecutive ranks) are outlined; ``rank`` is marked.
+
+    Worlds larger than ``max_ranks`` show only their first whole nodes (at least ``max_ranks`` ranks
+    when a node alone is larger), with a note in the title.
+    """
+    W, G = layout.world_size, ranks_per_node
+    if G < 1:
+        raise ConfigError(f"ranks_per_node={G} must be a positive integer")
+    if max_ranks < 1:
+        raise ConfigError(f"max_ranks={max_ranks} must be a positive integer")
+    if W <= max_ranks:
+        shown = W
+    else:
+        shown = (max_ranks // G) * G or max_ranks
+    names = list(names) if names else default_svg_groups(layout, shown)
+    report = report or locality(layout, G)
+
+    # Geometry: a node is a block of cpr columns; rows of blocks fill ~32 cells of width.
+    cell = 30 if shown <= 128 else 22 if shown <= 512 else 16
+    label = cell >= 20
+    cpr = min(G, 32)
+    rows_per_node = math.ceil(G / cpr)
+    npr = max(1, 32 // cpr)
+    n_nodes = math.ceil(shown / G)
+    block_w, block_h, gap, margin = cpr * cell, rows_per_node * cell, 6, 12
+    grid_w = min(npr, n_nodes) * (block_w + gap) - gap
+    grid_h = math.ceil(n_nodes / npr) * (block_h + gap) - gap
+    head = 34
+    panel_h = head + grid_h + 18
+    width = max(grid_w + 2 * margin, 460)
+    title_h = 44
+    height = title_h + len(names) * panel_h + margin
+
+    s = layout.sizes
+    dims = " ".join(f"{k}={getattr(s, k)}" for k in ("tp", "cp", "pp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp"))
+    title = f"megashard plan: {W:,} ranks, {dims}, order {'-'.join(s.order)}"
+    if shown < W:
+        note = f"showing the first {shown:,} of {W:,} ranks ({n_nodes} node{'s' if n_nodes > 1 else ''} of {G})"
+    else:
+        note = f"{G} ranks per node (outlined); rank {rank} marked"
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'font-family="DejaVu Sans, Arial, sans-serif">',
+        f"<title>{escape(title)}</title>",
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{margin}" y="18" font-size="13" font-weight="bold">{escape(title)}</text>',
+        f'<text x="{margin}" y="35" font-size="11" fill="#444444">{escape(note)}</text>',
+    ]
+
+    def cell_xy(r: int) -> tuple[int, int]:
+        node, i = divmod(r, G)
+        bx = margin + (node % npr) * (block_w + gap)
+        by = (node // npr) * (block_h + gap)
+        return bx + (i % cpr) * cell, by + (i // cpr) * cell
+
+    for p, name in enumerate(names):
+        top = title_h + p * panel_h
+        size = layout.size(name)
+        n_groups = W // size
+        cross = report.crossing.get(name)
+        extra = f", {cross[0]} crossing nodes" if cross and cross[0] else ""
+        mine = layout.group_of(name, rank)  # also validates rank and name
+        caption = f"{name}: size {size}, {n_groups:,} group{'s' if n_groups > 1 else ''}{extra}"
+        parts.append(f'<g class="panel" data-group-name="{escape(name)}" transform="translate(0,{top})">')
+        parts.append(f'<text x="{margin}" y="16" font-size="12" font-weight="bold">{escape(caption)}</text>')
+        parts.append(
+            f'<text x="{margin}" y="29" font-size="10" fill="#444444">'
+            f"{escape(f'rank {rank} is in {name} group {layout.group_index(name, rank)}: {format_members(mine, 12)}')}"
+            "</text>"
+        )
+        parts.append(f'<g transform="translate(0,{head})">')
+        idx = [layout.group_index(name, r) for r in range(shown)]
+        order = {g: k for k, g in enumerate(dict.fromkeys(idx))}  # colour by first appearance
+        colours = _palette(len(order))
+        for r in range(shown):
+            x, y = cell_xy(r)
+            g = idx[r]
+            fill = colours[order[g]]
+            tip = f"rank {r}: {name} group {g}, index {layout.rank_in(name, r)} of {size}"
+            parts.append(
+                f'<rect class="cell" data-rank="{r}" data-group="{g}" x="{x}" y="{y}" width="{cell}" height="{cell}" '
+                f'fill="{fill}" stroke="#ffffff" stroke-width="1"><title>{escape(tip)}</title></rect>'
+            )
+            if label:
+                fs = 10 if r < 1000 else 8 if r < 10000 else 6
+                parts.append(
+                    f'<text x="{x + cell / 2:g}" y="{y + cell / 2 + fs / 3:g}" font-size="{fs}" text-anchor="middle" '
+                    f'fill="{_text_colour(fill)}">{r}</text>'
+                )
+        for node in range(n_nodes):
+            x, y = cell_xy(node * G)
+            in_node = min(G, shown - node * G)
+            h = math.ceil(in_node / cpr) * cell
+            parts.append(
+                f'<rect class="node" x="{x}" y="{y}" width="{block_w}" height="{h}" fill="none" '
+                f'stroke="#333333" stroke-width="1.5"/>'
+            )
+        if rank < shown:
+            x, y = cell_xy(rank)
+            parts.append(
+                f'<rect class="marker" x="{x + 1}" y="{y + 1}" width="{cell - 2}" height="{cell - 2}" fill="none" '
+                f'stroke="#000000" stroke-width="2.5"/>'
+            )
+        parts.append("</g></g>")
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
