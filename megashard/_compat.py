@@ -60,3 +60,31 @@ def mesh_flattened_names(device_mesh) -> list[str]:
         return list(_mesh_resources.root_to_flatten_mapping.get(root, {}))
     except (ImportError, AttributeError):
         return []
+
+
+# --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
+def fake_store():
+    """A ``FakeStore`` for ``init_process_group("fake", store=..., rank=r, world_size=W)``: one process
+    simulates one rank of any world size. Importing its module registers the ``fake`` backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def mesh_flatten(device_mesh, name: str):
+    """``device_mesh._flatten(name)``: PyTorch's flattened 1-D view (every rank creates every group)."""
+    return device_mesh._flatten(name)
+
+
+def wrap_backend_creator(backend: str, wrap):
+    """Replace the creator registered for plugin ``backend`` (e.g. ``"fake"``) by ``wrap(creator)``, e.g. to
+    count communicators. Returns a function that restores the original creator."""
+    plugins = torch.distributed.Backend._plugins
+    key = backend.upper()
+    old = plugins[key]
+    plugins[key] = type(old)(wrap(old.creator_fn), old.extended_api)
+
+    def restore() -> None:
+        plugins[key] = old
+
+    return restore

@@ -30,7 +30,7 @@ def _default_device() -> torch.device:
 
 
 def _checked_shape(tensor_shape: object, name: str) -> tuple[int, ...]:
-    """Slow path: accept any integer-like dims (e.g. NumPy ints), refuse bools, negatives and non-ints."""
+    """Accept any integer-like dims (e.g. NumPy ints) as ints; refuse bools, negatives and non-ints."""
     try:
         dims = (tensor_shape,) if not hasattr(tensor_shape, "__iter__") else tuple(tensor_shape)  # type: ignore[arg-type]
         if any(isinstance(d, bool) for d in dims):
@@ -60,6 +60,7 @@ class GlobalMemoryBuffer:
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._shapes: dict[tuple, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}  # shape -> (shape, numel, strides)
 
     def get_tensor(
         self,
@@ -75,12 +76,22 @@ class GlobalMemoryBuffer:
         ``mem_alloc_context()`` when given (e.g. a CUDA memory pool). Tensors handed out earlier keep
         the old storage alive until they are dropped. Contents are uninitialised.
         """
-        shape = (tensor_shape,) if isinstance(tensor_shape, int) else tuple(tensor_shape)
-        if not all(type(d) is int for d in shape) or min(shape, default=0) < 0:
-            shape = _checked_shape(tensor_shape, name)
+        if type(tensor_shape) is torch.Size:
+            shape = tuple(tensor_shape)
+        else:
+            shape = (tensor_shape,) if isinstance(tensor_shape, int) else tuple(tensor_shape)
+            if not all(type(d) is int for d in shape):  # bools, floats, NumPy ints: slow path
+                shape = _checked_shape(tensor_shape, name)
+        info = self._shapes.get(shape)
+        if info is None:  # first request of this shape: validate once, remember numel and strides
+            shape = _checked_shape(shape, name)
+            info = (shape, math.prod(shape), _contiguous_strides(shape))
+            if len(self._shapes) >= 4096:
+                self._shapes.clear()  # bound the memo for callers with ever-changing shapes
+            self._shapes[shape] = info
+        shape, required, strides = info
         key = (name, dtype)
         buf = self.buffer.get(key)
-        required = math.prod(shape)
         if buf is None or buf.numel() < required:
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError(f"get_tensor({name!r}): dtype must be a torch.dtype, got {dtype!r}")
@@ -89,7 +100,7 @@ class GlobalMemoryBuffer:
                 buf = torch.empty(required, dtype=dtype, device=self.device, requires_grad=False)
             self.buffer[key] = buf
         # One as_strided call: half the cost of buf[:required].view(shape) (two views) per request.
-        return buf.as_strided(shape, _contiguous_strides(shape))
+        return buf.as_strided(shape, strides)
 
     def clear(self) -> None:
         """Drop every buffer (memory is freed once no handed-out view references it)."""

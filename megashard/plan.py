@@ -32,7 +32,7 @@ from megashard.layout import (
 from megashard.yamlcfg import apply_overrides, load_yaml
 
 #: Group names drawn by default in the SVG (those with size > 1; duplicates of an earlier panel dropped).
-SVG_DEFAULT_GROUPS = ("tp", "cp", "dp_shard", "dp_outer", "dp", "pp", "ep", "expt_tp", "expt_dp")
+SVG_DEFAULT_GROUPS = ("tp", "cp", "dp", "dp_shard", "dp_outer", "pp", "ep", "expt_tp", "expt_dp")
 #: Sizes shown by the plan, in this order.
 SIZE_KEYS = ("world_size", "tp", "cp", "pp", "vpp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "order")
 
@@ -196,10 +196,10 @@ def format_members(ranks: Sequence[int], limit: int = 16) -> str:
     """``[0, 1]``; long groups abbreviated: ``[0, 8, 16, …, 1016] (128 ranks, stride 8)``."""
     if limit <= 0 or len(ranks) <= limit:
         return "[" + ", ".join(map(str, ranks)) + "]"
-    steps = {b - a for a, b in zip(ranks, ranks[1:])}
     head = ", ".join(map(str, ranks[:3]))
-    if len(steps) == 1:
-        return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks, stride {steps.pop()})"
+    step = ranks[1] - ranks[0]
+    if step > 0 and list(ranks) == list(range(ranks[0], ranks[-1] + 1, step)):  # C-speed progression check
+        return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks, stride {step})"
     return f"[{head}, …, {ranks[-2]}, {ranks[-1]}] ({len(ranks)} ranks)"
 
 
@@ -273,24 +273,36 @@ def _palette(n: int) -> list[str]:
     return out
 
 
+def _text_width(text: str, font_size: float) -> int:
+    """Rough rendered width of sans-serif text in px (average glyph ≈ 0.6 em)."""
+    return int(len(text) * font_size * 0.6) + 1
+
+
 def _text_colour(fill: str) -> str:
     r, g, b = (int(fill[i : i + 2], 16) / 255 for i in (1, 3, 5))
     return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "#ffffff"
 
 
-def default_svg_groups(layout: RankLayout, shown: int) -> list[str]:
-    """Names of SVG_DEFAULT_GROUPS with size > 1, dropping a name whose colouring of the shown ranks
-    equals an earlier one (e.g. dp = dp_shard without HSDP); ``["tp"]`` when every size is 1."""
-    chosen, seen = [], set()
+def default_svg_groups(layout: RankLayout, shown: int) -> dict[str, list[str]]:
+    """Panels drawn by default: name -> other names with the same colouring of the shown ranks.
+
+    Names of SVG_DEFAULT_GROUPS with size > 1 (expert ones only when ep > 1); a name whose groups of
+    the shown ranks equal an earlier panel's becomes its alias (e.g. dp_shard = dp without HSDP).
+    ``{"tp": []}`` when every size is 1.
+    """
+    chosen: dict[str, list[str]] = {}
+    seen: dict[tuple, str] = {}
     for n in SVG_DEFAULT_GROUPS:
-        if layout.size(n) == 1:
+        if layout.size(n) == 1 or (n in EXPERT_GROUPS and layout.size("ep") == 1):
             continue
-        key = tuple(layout.group_index(n, r) for r in range(shown))
+        first: dict[int, int] = {}
+        key = tuple(first.setdefault(layout.group_index(n, r), len(first)) for r in range(shown))
         if key in seen:
+            chosen[seen[key]].append(n)
             continue
-        seen.add(key)
-        chosen.append(n)
-    return chosen or ["tp"]
+        seen[key] = n
+        chosen[n] = []
+    return chosen or {"tp": []}
 
 
 def render_svg(
@@ -317,7 +329,7 @@ def render_svg(
         shown = W
     else:
         shown = (max_ranks // G) * G or max_ranks
-    names = list(names) if names else default_svg_groups(layout, shown)
+    panels = {n: [] for n in names} if names else default_svg_groups(layout, shown)
     report = report or locality(layout, G)
 
     # Geometry: a node is a block of cpr columns; rows of blocks fill ~32 cells of width.
@@ -332,24 +344,27 @@ def render_svg(
     grid_h = math.ceil(n_nodes / npr) * (block_h + gap) - gap
     head = 34
     panel_h = head + grid_h + 18
-    width = max(grid_w + 2 * margin, 460)
-    title_h = 44
-    height = title_h + len(names) * panel_h + margin
+    title_h = 62
+    height = title_h + len(panels) * panel_h + margin
 
     s = layout.sizes
     dims = " ".join(f"{k}={getattr(s, k)}" for k in ("tp", "cp", "pp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp"))
-    title = f"megashard plan: {W:,} ranks, {dims}, order {'-'.join(s.order)}"
+    title = f"megashard plan: {W:,} ranks, order {'-'.join(s.order)}"
     if shown < W:
         note = f"showing the first {shown:,} of {W:,} ranks ({n_nodes} node{'s' if n_nodes > 1 else ''} of {G})"
     else:
-        note = f"{G} ranks per node (outlined); rank {rank} marked"
+        note = f"all ranks; {G} ranks per node (outlined)"
+    note += f"; rank {rank} marked"
+    width = max(grid_w + 2 * margin, _text_width(dims, 11) + 2 * margin, _text_width(note, 11) + 2 * margin,
+                _text_width(title, 13) + 2 * margin)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         f'font-family="DejaVu Sans, Arial, sans-serif">',
         f"<title>{escape(title)}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
         f'<text x="{margin}" y="18" font-size="13" font-weight="bold">{escape(title)}</text>',
-        f'<text x="{margin}" y="35" font-size="11" fill="#444444">{escape(note)}</text>',
+        f'<text x="{margin}" y="35" font-size="11">{escape(dims)}</text>',
+        f'<text x="{margin}" y="51" font-size="11" fill="#444444">{escape(note)}</text>',
     ]
 
     def cell_xy(r: int) -> tuple[int, int]:
@@ -358,14 +373,15 @@ def render_svg(
         by = (node // npr) * (block_h + gap)
         return bx + (i % cpr) * cell, by + (i // cpr) * cell
 
-    for p, name in enumerate(names):
+    for p, (name, aliases) in enumerate(panels.items()):
         top = title_h + p * panel_h
         size = layout.size(name)
         n_groups = W // size
         cross = report.crossing.get(name)
         extra = f", {cross[0]} crossing nodes" if cross and cross[0] else ""
         mine = layout.group_of(name, rank)  # also validates rank and name
-        caption = f"{name}: size {size}, {n_groups:,} group{'s' if n_groups > 1 else ''}{extra}"
+        alias = f" (= {', '.join(aliases)})" if aliases else ""
+        caption = f"{name}{alias}: size {size}, {n_groups:,} group{'s' if n_groups > 1 else ''}{extra}"
         parts.append(f'<g class="panel" data-group-name="{escape(name)}" transform="translate(0,{top})">')
         parts.append(f'<text x="{margin}" y="16" font-size="12" font-weight="bold">{escape(caption)}</text>')
         parts.append(

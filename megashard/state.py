@@ -96,6 +96,20 @@ def pooled_group_count() -> int:
     return len(_POOL)
 
 
+def release_process_groups() -> None:
+    """Destroy every pooled communicator (at shutdown, before ``destroy_process_group()``).
+
+    Do not initialise megashard again in the same default group afterwards: re-created groups would get
+    the released groups' names (see the pool note above). Destroying the default group releases them too.
+    """
+    for pg in _POOL.values():
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError):
+            pass
+    _POOL.clear()
+
+
 class ParallelState:
     """Process groups, device meshes and per-rank state of one parallel layout.
 

@@ -25,6 +25,14 @@ def _param(shape, mode=None, attrs=None):
     return p
 
 
+def test_tp_placement():
+    assert tp_placement(_param((8, 4), "column")) == S0
+    assert tp_placement(_param((8, 4), "row")) == S1
+    assert tp_placement(_param((8,), "replicated")) == R
+    assert tp_placement(_param((8, 4))) == R
+    assert tp_placement(_param((8, 4), attrs=(True, 1, 3))) == _StridedShard(1, split_factor=3)
+
+
 def test_resolve_on_fsdp_mesh():
     col, row, rep = _param((8, 4), "column"), _param((8, 4), "row"), _param((8,), "replicated")
     assert resolve_placements(col, MESH) == (R, R, _StridedShard(0, split_factor=2), S0)

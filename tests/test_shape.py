@@ -190,8 +190,6 @@ def _global(shape):
 
 def _gather_owner_map(dt, world_size):
     """Place every rank's local tensor at its offsets; returns (reconstruction, owner rank per element, counts)."""
-    from torch.distributed.tensor import DTensor  # noqa: F401
-
     local = dt.to_local()
     shape, off = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     assert tuple(local.shape) == shape
