@@ -1,0 +1,224 @@
+"""A small GPT built from megashard's tensor-parallel layers.
+
+    model = GPT(job.model, groups=ModelGroups.from_state(state), dtype=torch.float32)
+    init_parameters(model, seed=1234, groups=groups)     # layout-independent initial values
+    loss = model(inputs, targets)                        # mean token loss of this rank's tokens
+
+Per block (pre-LayerNorm): ``x + Attention(LN(x))`` then ``x + MLP(LN(x))``. Attention: fused QKV
+column-parallel projection (rows ordered head by head, so a contiguous TP split gives each rank whole
+heads), scaled-dot-product attention (its dropout inside the model-parallel RNG fork), row-parallel
+output projection. MLP: column-parallel ``hidden → ffn``, GELU, row-parallel ``ffn → hidden`` — or an
+MoE layer (:mod:`megashard.train.moe`). Embedding: vocabulary-parallel; LM head: column-parallel with
+a vocabulary-parallel cross entropy (the logits are never gathered). With context parallelism each rank
+holds a contiguous chunk of the sequence and all-gathers keys and values over ``cp``.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megashard.tensors.tp_attrs import get_mcore_tensor_parallel_partition_dim, set_tensor_model_parallel_attributes
+from megashard.train.config import ModelConfig
+from megashard.train.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_seq,
+    group_rank,
+    group_size,
+    init_spec,
+    scaled_std,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed"]
+
+
+@dataclass
+class ModelGroups:
+    """The process groups the model communicates over (``None`` = axis of size 1, no communication)."""
+
+    tp: Optional[dist.ProcessGroup] = None
+    cp: Optional[dist.ProcessGroup] = None
+    ep: Optional[dist.ProcessGroup] = None
+
+    @classmethod
+    def from_state(cls, state: Any) -> "ModelGroups":
+        """Groups of a :class:`megashard.state.ParallelState` (axes of size 1 become ``None``)."""
+        def g(name: str) -> Optional[dist.ProcessGroup]:
+            return state.group(name) if state.size(name) > 1 else None
+
+        return cls(tp=g("tp"), cp=g("cp"), ep=g("ep"))
+
+
+def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:
+    set_tensor_model_parallel_attributes(p, False, -1, 1)
+    init_spec(p, kind, std)
+    return p
+
+
+def _layer_norm(hidden: int, dtype: torch.dtype, device: Any) -> nn.LayerNorm:
+    ln = nn.LayerNorm(hidden, dtype=dtype, device=device)
+    _replicated(ln.weight, "ones")
+    _replicated(ln.bias, "zeros")
+    return ln
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; heads split over tp, sequence over cp. ``[b, s/cp, h] -> [b, s/cp, h]``."""
+
+    def __init__(self, cfg: ModelConfig, groups: ModelGroups, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.groups = groups
+        self.local_heads = cfg.heads // group_size(groups.tp)
+        self.head_dim = h // cfg.heads
+        self.dropout = cfg.dropout
+        self.qkv = ColumnParallelLinear(h, 3 * h, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
+        self.proj = RowParallelLinear(h, h, groups.tp, init_std=scaled_std(cfg.init_std, cfg.layers), dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)  # [b, s, heads/tp, head_dim]
+        mask, causal = None, True
+        cp = group_size(self.groups.cp)
+        if cp > 1:
+            k, v = gather_seq(k, self.groups.cp), gather_seq(v, self.groups.cp)
+            q_pos = group_rank(self.groups.cp) * s + torch.arange(s, device=x.device)
+            mask = torch.arange(k.shape[1], device=x.device)[None, :] <= q_pos[:, None]  # True = attend
+            causal = False
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        if p > 0:
+            from megashard.random import get_cuda_rng_tracker
+
+            # Heads differ across TP ranks, so their dropout masks must too: the model-parallel stream.
+            with get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """``hidden -> ffn`` (column-parallel), GELU, ``ffn -> hidden`` (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int, groups: ModelGroups, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, groups.tp, init_std=scaled_std(cfg.init_std, cfg.layers),
+                                     dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; ``recompute`` reruns it in backward (megashard.recompute.checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int, moe: bool, groups: ModelGroups, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.ln1 = _layer_norm(cfg.hidden, dtype, device)
+        self.attn = Attention(cfg, groups, dtype, device)
+        self.ln2 = _layer_norm(cfg.hidden, dtype, device)
+        if moe:
+            from megashard.train.moe import MoE
+
+            self.mlp: nn.Module = MoE(cfg, ffn, groups, dtype, device)
+        else:
+            self.mlp = MLP(cfg, ffn, groups, dtype, device)
+        self.dropout = cfg.dropout
+        self.recompute, self.distribute_saved = cfg.recompute, cfg.distribute_saved_activations
+        self.tp_group = groups.tp
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            from megashard.recompute import checkpoint
+
+            distribute = self.distribute_saved and self.tp_group is not None
+            return checkpoint(self._body, distribute, x, group=self.tp_group)
+        return self._body(x)
+
+
+class GPT(nn.Module):
+    """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``)."""
+
+    def __init__(self, cfg: ModelConfig, groups: Optional[ModelGroups] = None, *, ffn_hidden: Optional[int] = None,
+                 moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None) -> None:
+        super().__init__()
+        groups = groups or ModelGroups()
+        self.cfg, self.groups = cfg, groups
+        ffn = ffn_hidden or cfg.ffn_hidden or 4 * cfg.hidden
+        moe_layers = moe_layers or []
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
+        self.pos = _replicated(nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype, device=device)), "normal", cfg.init_std)
+        self.blocks = nn.ModuleList(
+            Block(cfg, ffn, i in moe_layers, groups, dtype, device) for i in range(cfg.layers)
+        )
+        self.ln_f = _layer_norm(cfg.hidden, dtype, device)
+        self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False, init_std=cfg.init_std,
+                                         dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        start = group_rank(self.groups.cp) * s
+        x = self.embed(ids) + self.pos[start: start + s]
+        x = F.dropout(x, self.cfg.dropout, self.training)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # [b, s, vocab/tp]
+        return vocab_parallel_cross_entropy(logits, targets, self.groups.tp).mean()
+
+
+# ---------------------------------------------------------------------------------------------- init
+def param_init_seed(seed: int, name: str) -> int:
+    """The seed of parameter ``name``'s full-tensor init: a function of the seed and the name only."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _local_slice(full: torch.Tensor, p: torch.Tensor, groups: ModelGroups) -> torch.Tensor:
+    """This rank's part of ``full``: the expert slice (dim 0 over ep), then the TP slice (partition dim over tp)."""
+    if getattr(p, "_expert_parallel", False):
+        full = full.chunk(group_size(groups.ep), dim=0)[group_rank(groups.ep)]
+    dim = get_mcore_tensor_parallel_partition_dim(p)
+    if dim is not None:
+        full = full.chunk(group_size(groups.tp), dim=dim)[group_rank(groups.tp)]
+    return full
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, groups: Optional[ModelGroups] = None) -> None:
+    """Initialise every parameter so that the *global* model depends on ``seed`` only, not on the layout.
+
+    For each parameter the full tensor (its ``_global_shape``) is drawn in float64 from a private
+    generator seeded by :func:`param_init_seed`, then this rank's expert/TP slice is copied in. Call
+    before ``fully_shard``. Peak extra memory: one full parameter.
+    """
+    groups = groups or getattr(model, "groups", None) or ModelGroups()
+    for name, p in _named_params(model):
+        kind, std = getattr(p, "_init", ("normal", 0.02))
+        shape = getattr(p, "_global_shape", tuple(p.shape))
+        if kind == "normal":
+            g = torch.Generator().manual_seed(param_init_seed(seed, name))
+            full = torch.empty(shape, dtype=torch.float64).normal_(0.0, std, generator=g)
+        else:
+            full = (torch.zeros if kind == "zeros" else torch.ones)(shape, dtype=torch.float64)
+        local = _local_slice(full, p, groups)
+        if tuple(local.shape) != tuple(p.shape):
+            raise RuntimeError(f"{name}: local slice {tuple(local.shape)} of global {shape} does not fit {tuple(p.shape)}")
+        p.copy_(local.to(dtype=p.dtype))
+
+
+def _named_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    yield from model.named_parameters()
