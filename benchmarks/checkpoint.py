@@ -9,13 +9,16 @@ regimes (1-8 random holders per shard, all 64, 1-64), against two baselines run 
   ranks and test membership in the holder tuple, O(shards · ranks · holders). Written here from the
   documented rule, not copied.
 
-All three must return the same assignment (checked). Reported: best-of-``--repeat`` wall time, the
-speed-up ratios and max/mean bytes per rank of the assignment.
+All three must return the same assignment (checked). Reported: best-of-N wall and CPU time (CPU time is
+steadier on a shared machine), the speed-up ratios, the ratio to Megatron-LM's own timings from
+ANCHORS.md, and max/mean bytes per rank of the assignment.
 
-Section ``save_load`` (planned): DCP save/load throughput of uneven DTensors; register it in
-``SECTIONS`` below. Both sections merge their results into ``benchmarks/results/checkpoint.json``.
+Section ``save_load`` (``--part io``): save and load MB/s of megashard.checkpoint (DCP, uneven FSDP shards,
+completion marker and checksums) over 4 gloo ranks, against plain DCP and against torch.save / torch.load
+of the same bytes from one process; 1 GB (``--quick``: 64 MB). Both sections merge their results into
+``benchmarks/results/checkpoint.json``.
 
-Usage: ``python benchmarks/checkpoint.py [--quick] [--only distribution]``
+Usage: ``python benchmarks/checkpoint.py [--quick] [--only distribution] [--part io]``
 """
 from __future__ import annotations
 
@@ -71,12 +74,14 @@ def make_case(regime: str, num_shards: int, num_ranks: int, seed: int = 0):
 
 
 def _best_time(fn: Callable[[], Dict], repeat: int):
-    best, result = float("inf"), None
+    """Best wall time and best CPU time of ``repeat`` runs (CPU time is steadier on a shared machine)."""
+    best, best_cpu, result = float("inf"), float("inf"), None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
         best = min(best, time.perf_counter() - t0)
-    return best, result
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    return best, best_cpu, result
 
 
 def _max_over_mean(assign, sizes, num_ranks) -> float:
@@ -90,31 +95,36 @@ def bench_distribution(args) -> Dict:
     rows: List[Dict] = []
     for regime in REGIMES:
         s2r, s2s = make_case(regime, args.shards, args.ranks)
-        t_ms, got = _best_time(lambda: distribute_shards_to_ranks(s2r, s2s, args.ranks, set()), args.repeat)
-        t_ref, ref = _best_time(lambda: _distribute_reference(s2r, s2s, args.ranks, set()), args.repeat)
+        t_ms, c_ms, got = _best_time(lambda: distribute_shards_to_ranks(s2r, s2s, args.ranks, set()), args.repeat)
+        t_ref, c_ref, ref = _best_time(lambda: _distribute_reference(s2r, s2s, args.ranks, set()), args.ref_repeat)
         row = {
             "regime": regime, "shards": args.shards, "ranks": args.ranks,
             "megashard_s": t_ms, "reference_s": t_ref, "speedup_vs_reference": t_ref / t_ms,
+            "megashard_cpu_s": c_ms, "reference_cpu_s": c_ref,
             "max_over_mean_load": _max_over_mean(got, s2s, args.ranks), "equal_to_reference": got == ref,
         }
         if not args.skip_megatron_shape:
-            t_meg, meg = _best_time(lambda: megatron_shape(s2r, s2s, args.ranks, set()), args.megatron_repeat)
-            row.update(megatron_shape_s=t_meg, speedup_vs_megatron_shape=t_meg / t_ms, equal_to_megatron_shape=got == meg)
+            t_meg, c_meg, meg = _best_time(lambda: megatron_shape(s2r, s2s, args.ranks, set()), args.megatron_repeat)
+            row.update(megatron_shape_s=t_meg, megatron_shape_cpu_s=c_meg, speedup_vs_megatron_shape=t_meg / t_ms,
+                       speedup_vs_megatron_shape_cpu=c_meg / c_ms, equal_to_megatron_shape=got == meg)
         if args.shards == 100_000 and args.ranks == 64:
             row["speedup_vs_megatron_anchor"] = MEGATRON_ANCHOR_S[regime] / t_ms
         rows.append(row)
 
-    print(f"\ndistribute_shards_to_ranks: {args.shards:,} shards x {args.ranks} ranks (best of {args.repeat})")
-    head = f"{'holders':>8} {'megashard':>10} {'reference':>10} {'x ref':>6}"
+    print(f"\ndistribute_shards_to_ranks: {args.shards:,} shards x {args.ranks} ranks (best of {args.repeat} / "
+          f"{args.ref_repeat} / {args.megatron_repeat}; load average {os.getloadavg()[0]:.1f})")
+    head = f"{'holders':>8} {'megashard':>10} {'cpu':>7} {'reference':>10} {'x ref':>6}"
     if not args.skip_megatron_shape:
-        head += f" {'megatron-shape':>15} {'x meg':>6}"
+        head += f" {'megatron-shape':>15} {'x meg':>6} {'x meg cpu':>9}"
     head += f" {'max/mean':>9} {'equal':>6}"
     print(head)
     for r in rows:
-        line = f"{r['regime']:>8} {r['megashard_s']:>9.3f}s {r['reference_s']:>9.3f}s {r['speedup_vs_reference']:>5.1f}x"
+        line = (f"{r['regime']:>8} {r['megashard_s']:>9.3f}s {r['megashard_cpu_s']:>6.3f}s"
+                f" {r['reference_s']:>9.3f}s {r['speedup_vs_reference']:>5.1f}x")
         equal = r["equal_to_reference"]
         if "megatron_shape_s" in r:
-            line += f" {r['megatron_shape_s']:>14.3f}s {r['speedup_vs_megatron_shape']:>5.1f}x"
+            line += (f" {r['megatron_shape_s']:>14.3f}s {r['speedup_vs_megatron_shape']:>5.1f}x"
+                     f" {r['speedup_vs_megatron_shape_cpu']:>8.1f}x")
             equal = equal and r["equal_to_megatron_shape"]
         line += f" {r['max_over_mean_load']:>9.6f} {str(equal):>6}"
         print(line)
@@ -123,11 +133,172 @@ def bench_distribution(args) -> Dict:
               + ", ".join(f"{r['regime']} {r['speedup_vs_megatron_anchor']:.1f}x" for r in rows))
     if not all(r["equal_to_reference"] and r.get("equal_to_megatron_shape", True) for r in rows):
         raise SystemExit("megashard's assignment differs from a baseline")
-    return {"rows": rows, "repeat": args.repeat, "megatron_anchor_s": MEGATRON_ANCHOR_S}
+    return {"rows": rows, "repeat": [args.repeat, args.ref_repeat, args.megatron_repeat],
+            "megatron_anchor_s": MEGATRON_ANCHOR_S}
+
+
+# ---------------------------------------------------------------------------------------------- save_load
+# Save/load throughput of megashard.checkpoint (DCP + marker + checksums + uneven FSDP shards) on gloo ranks,
+# against plain DCP and torch.save / torch.load of the same bytes from one process (selected by --part io).
+_IO_TENSORS = 16  # tensors in the state; rows chosen so that FSDP's chunks are uneven
+_IO_COLS = 1024
+
+
+def _io_rows(total_bytes: int, world: int) -> int:
+    rows = max(total_bytes // (4 * _IO_COLS * _IO_TENSORS), world)
+    return rows + 1 if rows % world == 0 else rows  # torch.chunk shards of unequal length
+
+
+def _io_state(rank: int, world: int, total_bytes: int, mesh, empty: bool = False) -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = _io_rows(total_bytes, world)
+    q = -(-rows // world)
+    local_rows = max(0, min(q, rows - q * rank))
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for i in range(_IO_TENSORS):
+        local = torch.empty(local_rows, _IO_COLS)
+        if not empty:
+            local.uniform_(generator=g)
+        out[f"w{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([rows, _IO_COLS]),
+                                          stride=(_IO_COLS, 1))
+    return out
+
+
+def _timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _io_worker(rank: int, world: int, init_file: str, total_bytes: int, tmp: str, repeat: int, checksums, q) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import shutil
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import megashard
+    from megashard.checkpoint import dcp as mdcp
+    from megashard.config import ParallelConfig
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        st = megashard.initialize(ParallelConfig())  # dp = world: FSDP-style Shard(0) over every rank
+        mesh = st.fully_shard_mesh
+        sd = _io_state(rank, world, total_bytes, mesh)
+        target = _io_state(rank, world, total_bytes, mesh, empty=True)
+        nbytes = sum(int(t.numel()) * 4 for t in sd.values())  # global bytes
+        times: Dict[str, List[float]] = {}
+
+        def check_equal() -> None:
+            for k in sd:
+                if not torch.equal(sd[k].to_local(), target[k].to_local()):
+                    raise SystemExit(f"rank {rank}: {k} loaded wrong")
+                target[k].to_local().zero_()
+
+        variants = [(f"megashard ({a})", a, True) for a in checksums] + [("megashard (crc32, no verify)", "crc32", False)]
+        for i in range(repeat):
+            for name, algo, verify in variants:
+                root = os.path.join(tmp, "megashard")
+                times.setdefault(f"{name} save", []).append(
+                    _timed(lambda: mdcp.save(root, i, state_dict=sd, checksum=algo)))
+                times.setdefault(f"{name} load", []).append(
+                    _timed(lambda: mdcp.load(root, state_dict=target, verify=verify)))
+                check_equal()
+                if rank == 0:  # outside the timed region
+                    shutil.rmtree(root, ignore_errors=True)
+            plain = os.path.join(tmp, "dcp", str(i))
+            times.setdefault("plain DCP save", []).append(_timed(lambda: dcp.save(sd, checkpoint_id=plain)))
+            times.setdefault("plain DCP load", []).append(_timed(lambda: dcp.load(target, checkpoint_id=plain)))
+            check_equal()
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(plain, ignore_errors=True)
+                # Baseline: the same bytes as full tensors, torch.save / torch.load from one process.
+                full = {k: torch.empty(t.shape) for k, t in sd.items()}
+                for t in full.values():
+                    t.uniform_()
+                path = os.path.join(tmp, "full.pt")
+
+                def save_full() -> None:
+                    with open(path, "wb") as f:
+                        torch.save(full, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+
+                t0 = time.perf_counter()
+                save_full()
+                times.setdefault("torch.save save", []).append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                loaded = torch.load(path, weights_only=True)
+                times.setdefault("torch.save load", []).append(time.perf_counter() - t0)
+                del loaded, full
+                os.remove(path)
+            dist.barrier()
+        if rank == 0:
+            q.put({"bytes": nbytes, "times": times})
+        megashard.destroy()
+    except BaseException as e:  # noqa: BLE001 - report instead of hanging the parent
+        q.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_save_load(args) -> Dict:
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+
+    total = (args.io_mb if args.io_mb else (64 if args.quick else 1024)) << 20
+    world, repeat = args.io_ranks, (1 if args.quick else args.io_repeat)
+    checksums = ["crc32"] if args.quick else ["crc32", "sha256"]
+    tmp = tempfile.mkdtemp(prefix="megashard-bench-io-", dir=args.io_dir)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_io_worker, args=(r, world, os.path.join(tmp, "rdv"), total, tmp, repeat, checksums, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res = q.get(timeout=3600)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if "error" in res:
+        raise SystemExit(res["error"])
+    nbytes = res["bytes"]
+    best = {k: min(v) for k, v in res["times"].items()}
+    methods = sorted({k.rsplit(" ", 1)[0] for k in best}, key=lambda m: (m.startswith("torch"), m.startswith("plain"), m))
+    base_save, base_load = best["torch.save save"], best["torch.save load"]
+    rows = []
+    for m in methods:
+        s, l = best[f"{m} save"], best[f"{m} load"]
+        rows.append({"method": m, "save_s": s, "load_s": l, "save_MBps": nbytes / s / 1e6, "load_MBps": nbytes / l / 1e6,
+                     "save_speed_vs_torch_save": base_save / s, "load_speed_vs_torch_load": base_load / l})
+    print(f"\ncheckpoint save/load: {nbytes / 1e6:.0f} MB of float32 ({_IO_TENSORS} uneven FSDP-sharded tensors) over "
+          f"{world} gloo ranks vs torch.save/torch.load from one process (best of {repeat}; files fsynced; loads from page cache)")
+    print(f"{'method':<29} {'save s':>8} {'save MB/s':>10} {'x torch':>8} {'load s':>8} {'load MB/s':>10} {'x torch':>8}")
+    for r in rows:
+        print(f"{r['method']:<29} {r['save_s']:>8.2f} {r['save_MBps']:>10.0f} {r['save_speed_vs_torch_save']:>7.2f}x "
+              f"{r['load_s']:>8.2f} {r['load_MBps']:>10.0f} {r['load_speed_vs_torch_load']:>7.2f}x")
+    return {"bytes": nbytes, "ranks": world, "repeat": repeat, "rows": rows, "all_times_s": res["times"]}
 
 
 # name -> function(args) -> JSON-able dict. The save/load-throughput section goes here as "save_load".
-SECTIONS: Dict[str, Callable] = {"distribution": bench_distribution}
+SECTIONS: Dict[str, Callable] = {"distribution": bench_distribution, "save_load": bench_save_load}
 
 
 def main(argv=None) -> None:
@@ -136,13 +307,22 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
     p.add_argument("--shards", type=int, default=100_000)
     p.add_argument("--ranks", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=3, help="best-of repeats for megashard and the reference")
+    p.add_argument("--repeat", type=int, default=5, help="best-of repeats for megashard")
+    p.add_argument("--ref-repeat", type=int, default=2, help="best-of repeats for the reference")
     p.add_argument("--megatron-repeat", type=int, default=1, help="repeats of the slow megatron-shape baseline")
     p.add_argument("--skip-megatron-shape", action="store_true")
     p.add_argument("--json", default=RESULTS)
+    p.add_argument("--part", choices=("io", "distribution"), action="append",
+                   help="io = the save_load section, distribution = the distribution section")
+    p.add_argument("--io-mb", type=int, default=None, help="save_load: state size in MB (default 1024; --quick 64)")
+    p.add_argument("--io-ranks", type=int, default=4, help="save_load: gloo ranks")
+    p.add_argument("--io-repeat", type=int, default=2, help="save_load: best-of repeats")
+    p.add_argument("--io-dir", default=None, help="save_load: where to write (default: the system temp dir)")
     args = p.parse_args(argv)
+    if args.part:
+        args.only = (args.only or []) + [{"io": "save_load"}.get(x, x) for x in args.part]
     if args.quick:
-        args.shards, args.repeat = 10_000, 1
+        args.shards, args.repeat, args.ref_repeat = 10_000, 1, 1
     torch.set_num_threads(1)
     results = {}
     if os.path.exists(args.json):  # keep the other sections' last results

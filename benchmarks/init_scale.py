@@ -139,10 +139,10 @@ def worker(impl: str, layout: str, world: int, rank: int, trace: bool, profile: 
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out: dict[str, Any] = {"wall_s": wall, "cpu_s": cpu, **counts, **extra}
     if prof is not None:
+        prof.disable()
         import io
         import pstats
 
-        prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
         out["profile"] = buf.getvalue()

@@ -88,3 +88,62 @@ def wrap_backend_creator(backend: str, wrap):
         plugins[key] = old
 
     return restore
+
+
+# --- DCP internals (megashard.checkpoint.dcp / consolidate) ----------------------------------------
+# Offline (no process group) loading as DCP's own `dcp_to_torch_save` does it, DCP's nested-dict helpers,
+# and the globals a `.metadata` pickle may reference (for a restricted unpickler: no arbitrary code).
+def dcp_empty_state_dict_load_planner_class() -> type:
+    """DCP's ``_EmptyStateDictLoadPlanner`` class: rebuilds the state dict (optionally only ``keys=``)
+    from the checkpoint's metadata, for loading without a model."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return _EmptyStateDictLoadPlanner
+
+
+def dcp_load_state_dict(state_dict, storage_reader, planner, *, process_group=None, no_dist: bool = False) -> None:
+    """DCP's ``_load_state_dict`` (``load`` without its Stateful handling), also usable with ``no_dist=True``."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state_dict, storage_reader, process_group=process_group, no_dist=no_dist, planner=planner)
+
+
+def dcp_flatten_state_dict(state_dict):
+    """``(flat, mappings)``: DCP's flattening of a nested state dict into dotted keys."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state_dict)
+
+
+def dcp_set_element(root, path, value) -> None:
+    """DCP's ``set_element``: put ``value`` at the (mapping) ``path`` of a nested state dict."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def dcp_metadata_global_allowed(module: str, name: str) -> bool:
+    """True if a DCP ``.metadata`` pickle may reference ``module.name``: DCP's metadata/storage classes,
+    torch sizes, dtypes, layouts and memory formats, paths. Functions and other globals are refused."""
+    import importlib
+    import inspect
+
+    if (module, name) in {("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"),
+                          ("collections", "OrderedDict"),
+                          ("builtins", "set"), ("builtins", "frozenset")}:
+        return True
+    if module == "pathlib":
+        return name in {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+    if module in {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                  "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.storage"}:
+        if module == "torch.distributed.checkpoint.filesystem" and name not in {"_StorageInfo", "_StoragePrefix"}:
+            return False
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return False
+        return inspect.isclass(obj) and obj.__module__ == module
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+    return False

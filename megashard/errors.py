@@ -33,7 +33,8 @@ class RNGTrackerError(MegashardError, ValueError):
 
 
 class CheckpointError(MegashardError, ValueError):
-    """Checkpoint shard metadata or an exchange request is inconsistent (shapes, holders, shard ids)."""
+    """A checkpoint request cannot be served: inconsistent shard metadata (shapes, holders, shard ids),
+    an exchange that does not match its distribution, or (subclasses) a missing or corrupted checkpoint."""
 
 
 class UnevenDTensorError(ShardingError):
@@ -46,3 +47,11 @@ class StateDictMismatchError(MegashardError, RuntimeError):
 
 class StateDictKeyError(MegashardError, KeyError):
     """A key chain does not lead to a value in a (nested) state dict."""
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint file is missing, truncated, altered or unsafe to unpickle; the message names the file."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No complete checkpoint at the given path (the message lists what was found there instead)."""

@@ -153,7 +153,8 @@ class RankLayout:
                 dense.append(("pp", sizes.pp)); expert.append(("pp", sizes.pp))
         self._dense = _Grid(dense)
         self._expert = _Grid(expert)
-        if self._dense.groups(("pp",)) != self._expert.groups(("pp",)):
+        # Equal pp size and stride on both grids <=> identical pp groups (members, order, group order): O(1).
+        if sizes.pp > 1 and self._dense.strides[self._dense.index["pp"]] != self._expert.strides[self._expert.index["pp"]]:
             # Unreachable after ParallelConfig.resolve's order rule; kept as a guard for hand-made ResolvedSizes.
             raise ConfigError(
                 f"the dense and expert pipeline groups differ for order={'-'.join(sizes.order)}; put pp last in order"

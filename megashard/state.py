@@ -141,19 +141,19 @@ class ParallelState:
 
     # ------------------------------------------------------------------ construction
     def _create_groups(self) -> None:
-        by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        world = tuple(range(self.world_size))
+        by_ranks: dict[tuple[int, ...] | str, dist.ProcessGroup] = {}
         created = 0
         for name in GROUP_NAMES:
+            if self.layout.size(name) == self.world_size:
+                # The default group already spans the world (and listing W ranks would cost O(W)).
+                self._groups[name] = by_ranks["world"] = dist.group.WORLD
+                continue
             ranks = tuple(self.layout.group_of(name, self.global_rank))
             pg = by_ranks.get(ranks)
             if pg is None:
-                if ranks == world:
-                    pg = dist.group.WORLD  # the default group already spans the world
-                else:
-                    # Only members call: no rank waits on groups it is not part of.
-                    pg, new = _pooled_group(ranks, self._timeout, None, f"megashard:{name}")
-                    created += new
+                # Only members call: no rank waits on groups it is not part of.
+                pg, new = _pooled_group(ranks, self._timeout, None, f"megashard:{name}")
+                created += new
                 by_ranks[ranks] = pg
             self._groups[name] = pg
         #: communicators this rank created for this state (0 when re-using pooled ones)

@@ -76,7 +76,8 @@ def check_dtensor_description(rank, world_size):
     ssd = c["ssd"]
     dp, tp = divmod(rank, 2)
     u = ssd["u"]
-    assert (u.local_shape, u.global_shape, u.global_offset) == (((4, 3), (7, 3), (0, 0)) if tp == 0 else ((3, 3), (7, 3), (4, 0)))
+    want = ((4, 3), (7, 3), (0, 0)) if tp == 0 else ((3, 3), (7, 3), (4, 0))  # torch.chunk: 4 + 3 rows
+    assert (u.local_shape, u.global_shape, u.global_offset) == want
     assert u.axis_fragmentations is None  # 7 rows over 2: not a regular grid
     assert u.replica_id == dp and torch.equal(u.data, _expected(u))
     w = ssd["w"]

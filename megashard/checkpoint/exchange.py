@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from bisect import bisect_right
+from bisect import insort
 from collections import defaultdict
 from itertools import zip_longest
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar
@@ -140,7 +140,12 @@ def _distribute_reference(
     for sid, ranks in items:
         best = None
         for r in ranks:
-            r = operator.index(r)
+            try:
+                r = operator.index(r)
+            except TypeError:
+                raise CheckpointError(
+                    f"shard {sid!r} lists holder {r!r}, which is not an int; holders are group ranks."
+                ) from None
             if 0 <= r < num_ranks and (best is None or (loads[r], r) < (loads[best], best)):
                 best = r
         if best is None:
@@ -153,11 +158,11 @@ def _distribute_reference(
     return out
 
 
-def _tie_sorted(order: List[int], equal_next: np.ndarray, ids: List[Any]) -> None:
-    """Sort every run of positions whose numeric keys are equal by shard id, in place."""
+def _tie_sorted(order: List[int], equal_next: np.ndarray, ids: List[Any]) -> bool:
+    """Sort every run of positions whose numeric keys are equal by shard id, in place; True if any."""
     idx = np.flatnonzero(equal_next)  # position p ties with p + 1
     if idx.size == 0:
-        return
+        return False
     breaks = np.flatnonzero(np.diff(idx) != 1)
     starts = np.concatenate(([idx[0]], idx[breaks + 1])).tolist()
     stops = (np.concatenate((idx[breaks], [idx[-1]])) + 2).tolist()
@@ -170,17 +175,23 @@ def _tie_sorted(order: List[int], equal_next: np.ndarray, ids: List[Any]) -> Non
             f"shard ids could not be ordered ({e}); ties are broken by comparing shard ids, so they "
             "must be mutually comparable (e.g. all (key, offset, range-or-None) tuples)."
         ) from None
+    return True
 
 
-def _greedy_order(cov: np.ndarray, sizes: np.ndarray, cross: Optional[np.ndarray], ids: List[Any]) -> List[int]:
-    """Indices sorted by (cross, holders, -size, id): numeric keys in numpy, ids only within ties."""
+def _greedy_order(
+    cov: np.ndarray, sizes: np.ndarray, cross: Optional[np.ndarray], ids: List[Any]
+) -> Tuple[List[int], np.ndarray]:
+    """Indices sorted by (cross, holders, -size, id), as a list and an array.
+
+    Numeric keys are sorted in numpy; shard ids are compared only within runs of equal numeric keys.
+    """
     max_size = int(sizes.max())
     size_bits, cov_bits = max_size.bit_length(), int(cov.max()).bit_length()
-    if size_bits + cov_bits + 1 <= 62:  # one packed int64 key: a single stable argsort
+    if size_bits + cov_bits + 1 <= 62:  # one packed int64 key: a single argsort
         key = (cov << size_bits) | (max_size - sizes)
         if cross is not None:
             key |= cross.astype(np.int64) << (size_bits + cov_bits)
-        order_np = np.argsort(key, kind="stable")
+        order_np = np.argsort(key)  # ties are re-sorted by shard id below, so stability is not needed
         ks = key[order_np]
         equal_next = ks[1:] == ks[:-1]
     else:
@@ -191,8 +202,9 @@ def _greedy_order(cov: np.ndarray, sizes: np.ndarray, cross: Optional[np.ndarray
             ks = k[order_np]
             equal_next &= ks[1:] == ks[:-1]
     order = order_np.tolist()
-    _tie_sorted(order, equal_next, ids)
-    return order
+    if _tie_sorted(order, equal_next, ids):
+        order_np = np.asarray(order, dtype=np.int64)
+    return order, order_np
 
 
 def distribute_shards_to_ranks(
@@ -259,12 +271,14 @@ def distribute_shards_to_ranks(
     sizes = sizes.astype(np.int64, copy=False)
     cross = None
     if cross_set:
+        if not isinstance(cross_set, (set, frozenset, dict)):
+            cross_set = set(cross_set)
         cross = np.fromiter((k in cross_set for k in ids), dtype=bool, count=n)
         if not cross.any():
             cross = None
-    order = _greedy_order(cov, sizes, cross, ids)
+    order, order_np = _greedy_order(cov, sizes, cross, ids)
     try:
-        ranks = _assign(order, holders, cov, sizes, R)
+        ranks = _assign(order, order_np, holders, cov, sizes, R)
     except (IndexError, TypeError):
         ranks = None  # a holder far outside the group or not an int: let the reference explain
     if ranks is None:
@@ -272,12 +286,17 @@ def distribute_shards_to_ranks(
     # Built in input order: the ids stay in memory order, which makes hashing them ~3x cheaper than
     # in assignment order (Megatron's dict order); the mapping itself is the same.
     by_input = np.empty(n, dtype=np.int64)
-    by_input[np.asarray(order, dtype=np.int64)] = ranks
+    by_input[order_np] = ranks
     return dict(zip(ids, by_input.tolist()))
 
 
 def _assign(
-    order: List[int], holders: List[Sequence[int]], cov: np.ndarray, sizes: np.ndarray, R: int
+    order: List[int],
+    order_np: np.ndarray,
+    holders: List[Sequence[int]],
+    cov: np.ndarray,
+    sizes: np.ndarray,
+    R: int,
 ) -> Optional[np.ndarray]:
     """Run the greedy over ``order``; returns the rank per position or None if a holder set is invalid.
 
@@ -285,22 +304,25 @@ def _assign(
     ``order`` has, per cross-flag segment, the one-holder shards first (no choice: added in bulk),
     then holder counts ascending, which picks the cheapest search per stretch of shards:
 
-    * few holders: ``min(holders, key=enc.__getitem__)``, O(holders). Slots ``R .. 3R-1`` of ``enc``
-      hold a sentinel, so out-of-group holders (``-2R <= r < 3R``) never win while a real one exists.
+    * few holders: ``min(map(enc.__getitem__, holders))``, O(holders), unrolled for 2 and 3 holders.
+      Slots ``R .. 3R-1`` of ``enc`` hold a sentinel, so out-of-group holders (``-2R <= r < 3R``) never
+      win while a real one exists.
     * many holders (>= max(16, R/10)): keep all ranks sorted by (load, rank) and walk that list to the
       first holder, O(R / holders) steps expected, then move the rank to its new place by bisection.
       No per-holder-set state, so it costs the same whether sets repeat (replicas) or are all distinct.
     """
     n = len(order)
-    cov_s = cov[order]
-    scaled = (sizes[order] * R).tolist()  # size * R: adding it to enc[r] adds size to load[r]
+    cov_s = cov[order_np]
+    sizes_s = sizes[order_np]
+    scaled = (sizes_s * R).tolist()  # size * R: adding it to enc[r] adds size to load[r]
     hs = operator.itemgetter(*order)(holders) if n > 1 else (holders[order[0]],)
     enc = list(range(R)) + [_SENTINEL] * (2 * R)
     out: List[Any] = [None] * n
 
     single = cov_s == 1
     many = cov_s >= max(_WALK_MIN_HOLDERS, -(-R // 10))
-    kind = single.astype(np.int8) + 2 * many.astype(np.int8)
+    # Stretches of one kind: single holder (-1), walk (-2), or a scan over exactly k holders (k).
+    kind = np.where(single, -1, np.where(many, -2, cov_s))
     bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), n]
     g = enc.__getitem__
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -309,39 +331,55 @@ def _assign(
             if int(firsts.min()) < 0 or int(firsts.max()) >= R:
                 return None
             totals = np.zeros(R, dtype=np.int64)
-            np.add.at(totals, firsts, sizes[order[a:b]])
+            np.add.at(totals, firsts, sizes_s[a:b])
             for r in np.flatnonzero(totals).tolist():
                 enc[r] += int(totals[r]) * R
             out[a:b] = firsts.tolist()
             continue
         seg: List[Any] = []
         app = seg.append
+        k = int(cov_s[a])
         if many[a]:
-            ranked = sorted(enc[:R])  # enc values, ascending = (load, rank) order
-            rk = [v % R for v in ranked]  # the ranks in that order
+            ranked = sorted(enc[:R])  # enc values ascending = ranks in (load, rank) order
             for h, sz in zip(hs[a:b], scaled[a:b]):
                 i = 0
-                r = rk[0]
-                while r not in h:  # IndexError past the end: no holder in the group
+                v = ranked[0]
+                while v % R not in h:  # IndexError past the end: no holder in the group
                     i += 1
-                    r = rk[i]
-                v = ranked[i] + sz
-                del ranked[i], rk[i]
-                j = bisect_right(ranked, v)
-                ranked.insert(j, v)
-                rk.insert(j, r)
-                app(r)
+                    v = ranked[i]
+                del ranked[i]
+                insort(ranked, v + sz)  # sz is a multiple of R: the rank stays v % R
+                app(v % R)
             for v in ranked:
                 enc[v % R] = v
+        elif k == 2:  # the commonest small cases, unrolled (2.4x / 1.7x faster than min(map(...)))
+            for (x, y), sz in zip(hs[a:b], scaled[a:b]):
+                vx = enc[x]
+                vy = enc[y]
+                if vx < vy:
+                    enc[x] = vx + sz
+                    app(x)
+                else:
+                    enc[y] = vy + sz
+                    app(y)
+        elif k == 3:
+            for (x, y, z), sz in zip(hs[a:b], scaled[a:b]):
+                v = min(enc[x], enc[y], enc[z])
+                r = v % R
+                enc[r] = v + sz
+                app(r)
         else:
             for h, sz in zip(hs[a:b], scaled[a:b]):
-                r = min(h, key=g)
-                enc[r] += sz
+                v = min(map(g, h))  # (load, rank) of the best holder in one int; cheaper than key=
+                r = v % R
+                enc[r] = v + sz
                 app(r)
         out[a:b] = seg
+    if max(enc[:R]) >= _SENTINEL:
+        return None  # some shard had no holder inside the group (its minimum was a sentinel slot)
     ranks = np.asarray(out, dtype=np.int64)
     if int(ranks.min()) < 0 or int(ranks.max()) >= R:
-        return None  # some shard had no holder inside the group
+        return None  # ... or, with two holders, both were outside it
     return ranks
 
 
