@@ -147,3 +147,14 @@ def dcp_metadata_global_allowed(module: str, name: str) -> bool:
         obj = getattr(torch, name, None)
         return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
     return False
+
+
+# --- DTensor local shard without autograd (used by megashard.tensors.uneven) -----------------------
+def dtensor_local(dtensor) -> torch.Tensor:
+    """The local shard of a DTensor without going through ``to_local()``'s autograd Function.
+
+    ``DTensor._local_tensor`` costs nothing, where ``to_local()`` costs ~0.2 ms (it matters for state
+    dicts of thousands of tensors); falls back to ``to_local()`` if the attribute ever disappears.
+    """
+    local = getattr(dtensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else dtensor.to_local()

@@ -1,0 +1,365 @@
+"""Offline checkpoint tools: inspect a checkpoint, consolidate it into one ``torch.save`` file.
+
+Both run in one process without torch.distributed (DCP's ``no_dist`` loading, as
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does), so they work on a laptop for
+any checkpoint megashard saved, whatever its layout::
+
+    from megashard.checkpoint.consolidate import inspect_checkpoint, consolidate
+    info = inspect_checkpoint("ckpts")            # newest complete checkpoint under the root
+    print(format_info(info))
+    consolidate("ckpts/step_00000100", "full.pt") # then torch.load("full.pt", weights_only=True)
+
+The consolidated file holds ``{"model": {fqn: tensor}, "optim": {"state": ..., "param_groups": ...}}``
+(the sections that were saved) with full, unsharded tensors: ``model`` loads into a plain module with
+``load_state_dict``; ``optim`` is keyed by parameter names, as DCP's ``get_state_dict`` returns it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, TextIO
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from megashard._compat import dcp_empty_state_dict_load_planner_class, dcp_load_state_dict
+from megashard.checkpoint import safety
+from megashard.checkpoint.dcp import DCP_METADATA, SafeFileSystemReader, _unwrap, _WeightsOnlyBytes, load_dcp_metadata
+from megashard.errors import CheckpointError
+
+__all__ = [
+    "CheckpointInfo",
+    "Progress",
+    "TensorInfo",
+    "consolidate",
+    "format_info",
+    "info_to_dict",
+    "inspect_checkpoint",
+    "load_full_state_dict",
+]
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class Progress:
+    """A plain-text progress bar on stderr (no dependency): ``label [#####-----]  50%  12.0/24.0 MB  1.2 s``.
+
+    On a terminal it redraws one line (at most 10 times a second); otherwise it prints a line per 10 %.
+    ``enabled=False`` prints nothing.
+    """
+
+    def __init__(self, total: int, label: str, *, stream: Optional[TextIO] = None, enabled: bool = True) -> None:
+        self.total, self.label, self.done = max(int(total), 0), label, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = self._last = time.perf_counter()
+        self._decile = -1
+
+    def _line(self) -> str:
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(frac * 24)
+        return (f"{self.label} [{bar:<24}] {frac * 100:5.1f}%  {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB  "
+                f"{time.perf_counter() - self.t0:.1f} s")
+
+    def update(self, n: int) -> None:
+        self.done = min(self.done + int(n), self.total) if self.total else self.done + int(n)
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.tty:
+            if now - self._last >= 0.1:
+                self.stream.write("\r" + self._line())
+                self.stream.flush()
+                self._last = now
+        else:
+            decile = int(10 * self.done / self.total) if self.total else 10
+            if decile > self._decile:
+                self._decile = decile
+                self.stream.write(self._line() + "\n")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.done = self.total
+        if self.tty:
+            self.stream.write("\r" + self._line() + "\n")
+        elif self._decile < 10:
+            self.stream.write(self._line() + "\n")
+        self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+@dataclass
+class TensorInfo:
+    """One saved tensor: global shape, dtype, bytes, number of saved chunks and the ranks that wrote them."""
+
+    key: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    chunks: int
+    writers: list
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` reports about one checkpoint (and its siblings under the root)."""
+
+    path: str
+    step: int
+    algorithm: str
+    files: int
+    file_bytes: int
+    layout: dict
+    consumed_samples: Optional[int]
+    has_data_state: bool
+    torch_version: str
+    tensors: list = field(default_factory=list)
+    objects: list = field(default_factory=list)  # keys of non-tensor items
+    siblings: list = field(default_factory=list)  # (name, state) of the other entries of the root
+    problems: list = field(default_factory=list)  # verification problems (when verified)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _writer_rank(relative_path: str) -> Optional[int]:
+    """Rank in a DCP data file name ``__<rank>_<n>.distcp``."""
+    parts = relative_path.split("_")
+    if len(parts) >= 4 and relative_path.startswith("__") and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _siblings(root: str, ckpt: str) -> list:
+    out = []
+    for e in safety.list_checkpoints(root):
+        if os.path.abspath(e.path) != os.path.abspath(ckpt):
+            out.append((os.path.basename(e.path), "complete" if e.complete else "incomplete (no marker)"))
+    if os.path.isdir(root):
+        for n in sorted(os.listdir(root)):
+            if n.startswith(safety.TMP_PREFIX):
+                out.append((n, "unfinished save (ignored)"))
+    return out
+
+
+def inspect_checkpoint(path: str, *, verify: bool = False, progress: bool = False) -> CheckpointInfo:
+    """Describe a checkpoint (``path`` or the newest complete one under it) without loading tensors.
+
+    ``verify=True`` also recomputes every file's checksum; problems are listed in ``info.problems``
+    rather than raised. Sizes of files are always compared with the marker.
+    """
+    ckpt = os.path.abspath(safety.resolve_checkpoint(path))
+    marker = safety.read_marker(ckpt)
+    problems = safety.verify_files(ckpt, marker, checksum=False)
+    if verify and not problems:
+        bar = Progress(marker.total_bytes, "verify", enabled=progress)
+        problems = safety.verify_files(ckpt, marker, checksum=True, progress=bar.update)
+        bar.close()
+    meta_problem = [p for p in problems if p.startswith(os.path.join(ckpt, safety.LAYOUT_FILE))
+                    or p.startswith(os.path.join(ckpt, DCP_METADATA))]
+    if meta_problem:
+        safety.raise_problems(ckpt, meta_problem)  # nothing below can be trusted
+    info = safety.read_json(os.path.join(ckpt, safety.LAYOUT_FILE), "layout file")
+    md = load_dcp_metadata(os.path.join(ckpt, DCP_METADATA))
+    writers: dict = {}
+    for idx, sinfo in (md.storage_data or {}).items():
+        r = _writer_rank(getattr(sinfo, "relative_path", ""))
+        writers.setdefault(idx.fqn, set()).add(r)
+    tensors, objects = [], []
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            numel = 1
+            for s in m.size:
+                numel *= int(s)
+            tensors.append(TensorInfo(key, tuple(int(s) for s in m.size), str(m.properties.dtype).replace("torch.", ""),
+                                      numel * m.properties.dtype.itemsize, len(m.chunks),
+                                      sorted(r for r in writers.get(key, ()) if r is not None)))
+        elif isinstance(m, BytesStorageMetadata):
+            objects.append(key)
+    root = os.path.dirname(ckpt)
+    return CheckpointInfo(
+        path=ckpt, step=marker.step, algorithm=marker.algorithm, files=len(marker.files), file_bytes=marker.total_bytes,
+        layout=info.get("layout", {}), consumed_samples=info.get("consumed_samples"),
+        has_data_state=bool(info.get("has_data_state")), torch_version=str(info.get("torch", "?")),
+        tensors=tensors, objects=objects, siblings=_siblings(root, ckpt), problems=problems,
+    )
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _fmt_layout(layout: dict) -> str:
+    s = layout.get("sizes")
+    if not s:
+        return f"{layout.get('world_size', '?')} ranks (no megashard layout recorded: plain data parallel)"
+    return (f"{s['world_size']} ranks: tp={s['tp']} cp={s['cp']} pp={s['pp']} dp={s['dp']} (dp_outer={s['dp_outer']} x "
+            f"dp_shard={s['dp_shard']}) ep={s['ep']} expt_tp={s['expt_tp']} expt_dp={s['expt_dp']} order={s['order']}")
+
+
+def _fmt_ranks(ranks: list) -> str:
+    text = ",".join(str(r) for r in ranks[:8])
+    return text + (f",... ({len(ranks)})" if len(ranks) > 8 else "")
+
+
+def format_info(info: CheckpointInfo) -> str:
+    """A human-readable table of :func:`inspect_checkpoint`'s result."""
+    lines = [
+        f"checkpoint  {info.path}",
+        f"step        {info.step}   ({info.files} files, {_fmt_bytes(info.file_bytes)}, {info.algorithm} checksums)",
+        f"saved with  {_fmt_layout(info.layout)}",
+        f"data        consumed_samples={info.consumed_samples}  per-rank data-loader state: "
+        f"{'saved' if info.has_data_state else 'none'}   (torch {info.torch_version})",
+    ]
+    if info.problems:
+        lines.append(f"PROBLEMS    {len(info.problems)} damaged file(s):")
+        lines += [f"  {p}" for p in info.problems]
+    kw = max([len("key")] + [len(t.key) for t in info.tensors])
+    sw = max([len("shape")] + [len(str(t.shape)) for t in info.tensors])
+    lines.append("")
+    lines.append(f"{'key':<{kw}}  {'shape':<{sw}}  {'dtype':<9}  {'size':>10}  chunks  written by rank")
+    for t in info.tensors:
+        lines.append(f"{t.key:<{kw}}  {str(t.shape):<{sw}}  {t.dtype:<9}  {_fmt_bytes(t.nbytes):>10}  {t.chunks:>6}  "
+                     f"{_fmt_ranks(t.writers)}")
+    lines.append(f"{len(info.tensors)} tensors, {_fmt_bytes(info.tensor_bytes)}; {len(info.objects)} non-tensor items")
+    if info.siblings:
+        lines.append("")
+        lines.append("other entries in " + os.path.dirname(info.path) + ":")
+        lines += [f"  {n}: {s}" for n, s in info.siblings]
+    return "\n".join(lines) + "\n"
+
+
+def info_to_dict(info: CheckpointInfo) -> dict:
+    """JSON-ready form of a :class:`CheckpointInfo`."""
+    return {
+        "path": info.path, "step": info.step, "algorithm": info.algorithm, "files": info.files,
+        "file_bytes": info.file_bytes, "layout": info.layout, "consumed_samples": info.consumed_samples,
+        "has_data_state": info.has_data_state, "torch": info.torch_version,
+        "tensors": [{"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "chunks": t.chunks,
+                     "writers": t.writers} for t in info.tensors],
+        "objects": info.objects, "siblings": [{"name": n, "state": s} for n, s in info.siblings],
+        "problems": info.problems,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- consolidate
+def _safe_empty_planner(keys: set):
+    cls = type("_WeightsOnlyEmptyStateDictLoadPlanner", (_WeightsOnlyBytes, dcp_empty_state_dict_load_planner_class()), {})
+    return cls(keys=keys)
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        elif isinstance(v, list) and isinstance(dst.get(k), list):
+            for i, x in enumerate(v):  # DCP fills lists position by position; keep what is already there
+                if i < len(dst[k]) and isinstance(x, dict) and isinstance(dst[k][i], dict):
+                    _merge(dst[k][i], x)
+                elif i >= len(dst[k]):
+                    dst[k].append(x)
+                elif x is not None:
+                    dst[k][i] = x
+        else:
+            dst[k] = v
+
+
+def load_full_state_dict(
+    path: str,
+    *,
+    keys: Optional[set] = None,
+    verify: bool = True,
+    progress: bool = False,
+    batch_bytes: int = 256 << 20,
+) -> dict:
+    """Every tensor of a checkpoint, unsharded, in one process (nested as it was saved).
+
+    Args:
+        path: a checkpoint directory or a root (its newest complete checkpoint).
+        keys: flattened keys (e.g. ``"model.up.weight"``) or prefixes of them to load (default: all).
+        verify: check every file's checksum first (sizes are always checked).
+        progress: show progress bars on stderr.
+        batch_bytes: tensors are read in batches of about this many bytes (one progress step each).
+    """
+    ckpt = os.path.abspath(safety.resolve_checkpoint(path))
+    marker = safety.read_marker(ckpt)
+    bar = Progress(marker.total_bytes, "verify     ", enabled=progress and verify)
+    safety.raise_problems(ckpt, safety.verify_files(ckpt, marker, checksum=verify, progress=bar.update))
+    bar.close()
+    reader = SafeFileSystemReader(ckpt, marker, verified=marker.files, checksum=verify)
+    md = reader.read_metadata()
+
+    def wanted(k: str) -> bool:
+        return keys is None or any(k == p or k.startswith(p + ".") for p in keys)
+
+    items = [(k, m) for k, m in md.state_dict_metadata.items() if wanted(k)]
+    if keys is not None and not items:
+        raise CheckpointError(f"none of the keys {sorted(keys)[:5]} is in {ckpt}; it holds e.g. {list(md.state_dict_metadata)[:5]}")
+    batches: list[tuple[set, int]] = []
+    cur: set = set()
+    size = 0
+    for k, m in items:
+        nb = 0
+        if isinstance(m, TensorStorageMetadata):
+            nb = m.properties.dtype.itemsize
+            for s in m.size:
+                nb *= int(s)
+        if cur and size + nb > batch_bytes:
+            batches.append((cur, size))
+            cur, size = set(), 0
+        cur.add(k)
+        size += nb
+    if cur:
+        batches.append((cur, size))
+    total = sum(s for _, s in batches)
+    bar = Progress(total, "consolidate", enabled=progress)
+    out: dict = {}
+    for batch, nb in batches:
+        part: dict = {}
+        try:
+            dcp_load_state_dict(part, reader, _safe_empty_planner(batch), no_dist=True)
+        except CheckpointException as e:
+            raise _unwrap(e) from None
+        _merge(out, part)
+        bar.update(nb)
+    bar.close()
+    return out
+
+
+def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = False, keys: Optional[set] = None) -> dict:
+    """Write a checkpoint's full (unsharded) state into one ``torch.save`` file ``out``.
+
+    The file loads with ``torch.load(out, weights_only=True)``; it is written to ``out + ".tmp"`` first
+    and renamed, so ``out`` is never half-written. Returns a summary ``{"path", "out", "tensors", "bytes"}``.
+    """
+    state = load_full_state_dict(path, keys=keys, verify=verify, progress=progress)
+    count, nbytes = 0, 0
+
+    def walk(x: Any) -> None:
+        nonlocal count, nbytes
+        if isinstance(x, torch.Tensor):
+            count += 1
+            nbytes += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = out + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return {"path": os.path.abspath(safety.resolve_checkpoint(path)), "out": out, "tensors": count, "bytes": nbytes}

@@ -1,0 +1,402 @@
+"""Crash-safe checkpoint directories: write to a temporary directory, publish by an atomic rename.
+
+A checkpoint root holds one directory per saved step::
+
+    ROOT/
+      step_00000010/            complete: visible only after everything in it was written and synced
+        .metadata __0_0.distcp  DCP files
+        megashard.json          config and rank layout it was saved with
+        rank_state/000000.pt    per-rank RNG and data-loader state
+        COMPLETE.json           the completion marker, written last: size and checksum of every file
+      .tmp-step_00000020/       a save in progress (or killed midway): ignored, removed by the next save
+      .trash-step_00000002/     being deleted by retention: ignored
+
+Rules: a directory counts as a checkpoint only if its name is ``step_<digits>`` *and* it holds a
+readable marker. The marker is written (and fsynced) inside the temporary directory, which is then
+renamed to its final name in one ``os.rename`` and the root directory fsynced; so a reader sees either
+nothing or the whole checkpoint. Before any data reaches DCP, files are checked against the marker
+(size always, checksum unless disabled): a truncated or altered file raises
+:class:`~megashard.errors.CheckpointCorruptedError` naming it, never a wrong tensor.
+
+This module is pure file handling (no torch.distributed); :mod:`megashard.checkpoint.dcp` decides
+which rank does what.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from megashard.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
+
+__all__ = [
+    "CHECKSUM_ALGORITHMS",
+    "CheckpointEntry",
+    "LAYOUT_FILE",
+    "MARKER_FILE",
+    "Marker",
+    "apply_retention",
+    "checkpoint_dirname",
+    "cleanup_stale",
+    "commit_checkpoint",
+    "file_checksum",
+    "file_record",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "read_marker",
+    "resolve_checkpoint",
+    "verify_files",
+    "write_json_atomic",
+    "write_marker",
+]
+
+MARKER_FILE = "COMPLETE.json"
+LAYOUT_FILE = "megashard.json"
+RANK_STATE_DIR = "rank_state"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+FORMAT = "megashard-checkpoint"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 8 << 20  # bytes read per hash update
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            buf = f.read(_CHUNK)
+            if not buf:
+                break
+            crc = zlib.crc32(buf, crc)
+    return f"{crc:08x}"
+
+
+def _hashlib(name: str) -> Callable[[str], str]:
+    def digest(path: str) -> str:
+        h = hashlib.new(name)
+        with open(path, "rb") as f:
+            while True:
+                buf = f.read(_CHUNK)
+                if not buf:
+                    break
+                h.update(buf)
+        return h.hexdigest()
+
+    return digest
+
+
+#: name -> function(path) -> hex digest. crc32 (default) is the fastest and catches truncation and bit
+#: flips; sha256 is a cryptographic digest, e.g. to compare with digests kept outside the checkpoint.
+CHECKSUM_ALGORITHMS: dict[str, Callable[[str], str]] = {
+    "sha256": _hashlib("sha256"),
+    "crc32": _crc32,
+}
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise CheckpointError(
+            f"checksum algorithm {algorithm!r} is not supported; use one of {sorted(CHECKSUM_ALGORITHMS)}"
+        )
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Directory name of the checkpoint of ``step`` (``step_00000010``); steps sort by name and number."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def file_checksum(path: str, algorithm: str = "crc32") -> str:
+    """Hex digest of the file at ``path`` (read in 8 MB chunks)."""
+    _check_algorithm(algorithm)
+    return CHECKSUM_ALGORITHMS[algorithm](path)
+
+
+def file_record(path: str, algorithm: str = "crc32") -> dict:
+    """``{"size": bytes, "checksum": hex}`` of one file, as stored in the marker."""
+    return {"size": os.path.getsize(path), "checksum": file_checksum(path, algorithm)}
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename/creation inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file, fsync and rename (never half-written)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str, what: str) -> dict:
+    """Load a small JSON file with the standard (safe) loader; a broken file raises naming it."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointCorruptedError(f"{what} {path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointCorruptedError(f"{what} {path} is unreadable or not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(obj, dict):
+        raise CheckpointCorruptedError(f"{what} {path} must hold a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------- marker
+@dataclass(frozen=True)
+class Marker:
+    """Contents of ``COMPLETE.json``: the step and every file's size and checksum."""
+
+    step: int
+    algorithm: str
+    files: dict  # relative path -> {"size": int, "checksum": str}
+    created: float
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(r["size"]) for r in self.files.values())
+
+
+def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str) -> None:
+    """Write the completion marker (last file of a save). ``files``: relative path -> :func:`file_record`."""
+    _check_algorithm(algorithm)
+    write_json_atomic(os.path.join(ckpt_dir, MARKER_FILE), {
+        "format": FORMAT, "version": FORMAT_VERSION, "step": step, "algorithm": algorithm,
+        "created": time.time(), "files": {k: files[k] for k in sorted(files)},
+    })
+
+
+def read_marker(ckpt_dir: str) -> Marker:
+    """The marker of a checkpoint directory; raises CheckpointCorruptedError if it is absent or damaged."""
+    path = os.path.join(ckpt_dir, MARKER_FILE)
+    obj = read_json(path, "completion marker")
+    try:
+        if obj.get("format") != FORMAT:
+            raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
+        if int(obj.get("version", 0)) > FORMAT_VERSION:
+            raise ValueError(f"format version {obj['version']} is newer than this megashard reads ({FORMAT_VERSION})")
+        files = {str(k): {"size": int(v["size"]), "checksum": str(v["checksum"])} for k, v in obj["files"].items()}
+        for name in files:
+            if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+                raise ValueError(f"file entry {name!r} points outside the checkpoint directory")
+        algorithm = str(obj["algorithm"])
+        _check_algorithm(algorithm)
+        return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)))
+    except (KeyError, TypeError, ValueError, CheckpointError) as e:
+        raise CheckpointCorruptedError(f"completion marker {path} is malformed: {e}") from None
+
+
+def _check_one(ckpt_dir: str, name: str, record: dict, algorithm: str, checksum: bool) -> Optional[str]:
+    path = os.path.join(ckpt_dir, name)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return f"{path}: file is missing (the marker lists it with {record['size']} bytes)"
+    except OSError as e:
+        return f"{path}: cannot be read ({e})"
+    if size != record["size"]:
+        kind = "truncated" if size < record["size"] else "longer than written"
+        return f"{path}: {kind}: {size} bytes on disk, {record['size']} bytes when the checkpoint was completed"
+    if checksum:
+        try:
+            actual = file_checksum(path, algorithm)
+        except OSError as e:
+            return f"{path}: cannot be read ({e})"
+        if actual != record["checksum"]:
+            return (f"{path}: {algorithm} checksum {actual} does not match {record['checksum']} recorded when the "
+                    "checkpoint was completed (the file was altered or corrupted)")
+    return None
+
+
+def verify_files(
+    ckpt_dir: str,
+    marker: Marker,
+    names: Optional[Iterable[str]] = None,
+    *,
+    checksum: bool = True,
+    progress: Optional[Callable[[int], None]] = None,
+) -> list[str]:
+    """Check files of a checkpoint against its marker; returns one problem description per bad file.
+
+    Args:
+        names: relative paths to check (default: every file in the marker); names the marker does not
+            list are reported as problems.
+        checksum: also recompute checksums (reads the files); False checks sizes only.
+        progress: called with the bytes of each file once it is checked.
+    """
+    problems = []
+    for name in (sorted(marker.files) if names is None else names):
+        record = marker.files.get(name)
+        if record is None:
+            problems.append(f"{os.path.join(ckpt_dir, name)}: not listed in the completion marker")
+            continue
+        p = _check_one(ckpt_dir, name, record, marker.algorithm, checksum)
+        if p:
+            problems.append(p)
+        if progress is not None:
+            progress(record["size"])
+    return problems
+
+
+def raise_problems(ckpt_dir: str, problems: Sequence[str]) -> None:
+    """Raise one CheckpointCorruptedError listing ``problems`` (no-op if empty)."""
+    if not problems:
+        return
+    older = [e.path for e in list_checkpoints(os.path.dirname(os.path.abspath(ckpt_dir))) if e.complete
+             and os.path.abspath(e.path) != os.path.abspath(ckpt_dir)]
+    hint = f" Older complete checkpoints: {older[-3:]}." if older else ""
+    shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+    raise CheckpointCorruptedError(
+        f"checkpoint {ckpt_dir} is damaged, refusing to load it: {shown}. Restore the file(s) from a copy or "
+        f"load another checkpoint.{hint}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- listing
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """A ``step_N`` directory of a root; ``complete`` if it holds a marker file."""
+
+    path: str
+    step: int
+    complete: bool
+
+
+def list_checkpoints(root: str) -> list[CheckpointEntry]:
+    """Every ``step_N`` directory of ``root`` ordered by step (temporary and trash directories excluded)."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        m = _STEP_RE.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path):
+            out.append(CheckpointEntry(path, int(m.group(1)), os.path.isfile(os.path.join(path, MARKER_FILE))))
+    return sorted(out, key=lambda e: e.step)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """Path of the newest complete checkpoint under ``root``, or None."""
+    complete = [e for e in list_checkpoints(root) if e.complete]
+    return complete[-1].path if complete else None
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself if it is a complete checkpoint, else the newest complete checkpoint under it.
+
+    Raises :class:`CheckpointNotFoundError` naming what was found (incomplete or temporary directories).
+    """
+    if is_checkpoint_dir(path):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
+    found = sorted(os.listdir(path))
+    incomplete = [os.path.basename(e.path) for e in list_checkpoints(path) if not e.complete]
+    in_progress = [n for n in found if n.startswith(TMP_PREFIX)]
+    detail = []
+    if incomplete:
+        detail.append(f"step directories without a {MARKER_FILE} marker (not finished): {incomplete}")
+    if in_progress:
+        detail.append(f"unfinished saves (killed or still running): {in_progress}")
+    if os.path.exists(os.path.join(path, ".metadata")):
+        detail.append(f"a DCP checkpoint without megashard's {MARKER_FILE} (not saved by megashard.checkpoint.save)")
+    raise CheckpointNotFoundError(
+        f"no complete checkpoint in {path}: it is neither a checkpoint directory (with {MARKER_FILE}) nor a root "
+        f"holding step_<N> checkpoints" + (f"; found {'; '.join(detail)}" if detail else f"; it contains {found[:10]}")
+    )
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def _remove_tree(path: str) -> None:
+    """Delete ``path``: first renamed to a trash name (atomic: never visible half-deleted), then removed."""
+    parent, name = os.path.split(os.path.abspath(path))
+    trash = os.path.join(parent, f"{TRASH_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def cleanup_stale(root: str, keep: Sequence[str] = ()) -> list[str]:
+    """Remove leftovers of killed saves (``.tmp-*``) and interrupted deletions (``.trash-*``) in ``root``.
+
+    Only one job may save into a root at a time. Returns the removed paths.
+    """
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if (name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)) and name not in keep:
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def commit_checkpoint(tmp_dir: str, final_dir: str, *, overwrite: bool = False) -> None:
+    """Publish a finished temporary directory under its final name (atomic rename, then fsync the root).
+
+    An existing ``final_dir`` raises :class:`CheckpointError` unless ``overwrite``; then it is moved to
+    the trash first, so at every moment the step has one complete checkpoint or none.
+    """
+    if os.path.exists(final_dir):
+        if not overwrite:
+            raise CheckpointError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
+        _remove_tree(final_dir)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def apply_retention(root: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and incomplete step dirs older than them).
+
+    Returns the removed paths. ``keep_last`` must be >= 1.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise CheckpointError(f"keep_last must be an int >= 1 (or None to keep everything), got {keep_last!r}")
+    entries = list_checkpoints(root)
+    complete = [e for e in entries if e.complete]
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[-keep_last].step
+    removed = []
+    for e in entries:
+        if e.step < oldest_kept:
+            _remove_tree(e.path)
+            removed.append(e.path)
+    fsync_dir(root)
+    return removed

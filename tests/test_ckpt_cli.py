@@ -1,0 +1,151 @@
+"""`megashard ckpt inspect | consolidate` on a checkpoint saved by 2 FSDP2 ranks (uneven shards)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megashard.cli import main
+from tests._dist import spawn_checks
+
+ROOT_ENV = "MEGASHARD_TEST_CLI_ROOT"
+
+
+def _root() -> str:
+    return os.environ[ROOT_ENV]
+
+
+def _full(v):
+    from torch.distributed.tensor import DTensor
+
+    from megashard.tensors.uneven import gather_uneven_dtensor_to_full_tensor
+
+    if isinstance(v, DTensor):
+        return gather_uneven_dtensor_to_full_tensor(v, return_dtensor=False)
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, dict):
+        return {k: _full(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_full(x) for x in v)
+    return v
+
+
+def check_save_fsdp2(rank, world_size):
+    import megashard
+    from megashard.checkpoint import dcp as mdcp
+    from megashard.config import ParallelConfig
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    st = megashard.initialize(ParallelConfig())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))  # 7 rows: 4/3; 3 rows: 2/1
+    fully_shard(model, mesh=st.fully_shard_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    mdcp.save(_root(), 1, model, opt, consumed_samples=4, checksum="crc32")
+    msd, osd = get_state_dict(model, opt)
+    ref = {"model": _full(msd), "optim": _full(osd)}
+    if rank == 0:
+        torch.save(ref, os.path.join(os.path.dirname(_root()), "ref.pt"))
+    megashard.destroy()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    os.environ[ROOT_ENV] = str(base / "ckpts")
+    try:
+        spawn_checks([check_save_fsdp2], world_size=2).assert_ok("check_save_fsdp2")
+        yield str(base / "ckpts"), torch.load(base / "ref.pt", weights_only=True)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+
+
+def _flat(ref: dict) -> dict:
+    out = {}
+
+    def walk(prefix, x):
+        if isinstance(x, torch.Tensor):
+            out[prefix] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(f"{prefix}.{i}", v)
+
+    walk("", ref)
+    return out
+
+
+def test_inspect_json_lists_layout_keys_shapes_dtypes_sizes(ckpt, capsys):
+    root, ref = ckpt
+    assert main(["ckpt", "inspect", root, "--format", "json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 1 and info["consumed_samples"] == 4 and info["algorithm"] == "crc32"
+    sizes = info["layout"]["sizes"]
+    assert (sizes["world_size"], sizes["dp"], sizes["dp_shard"], sizes["tp"]) == (2, 2, 2, 1)
+    expected = {k: (list(t.shape), str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()) for k, t in _flat(ref).items()}
+    got = {t["key"]: (t["shape"], t["dtype"], t["bytes"]) for t in info["tensors"]}
+    assert got == expected
+    by_key = {t["key"]: t for t in info["tensors"]}
+    # FSDP shards: one chunk per rank (7 rows -> 4/3, 3 rows -> 2/1), written by their owners.
+    assert (by_key["model.0.weight"]["chunks"], by_key["model.0.weight"]["writers"]) == (2, [0, 1])
+    assert (by_key["model.2.weight"]["chunks"], by_key["model.2.weight"]["writers"]) == (2, [0, 1])
+    # A replicated plain tensor (AdamW step) is stored once, by one rank.
+    assert by_key["optim.state.0.weight.step"]["chunks"] == 1 and len(by_key["optim.state.0.weight.step"]["writers"]) == 1
+    assert "optim.param_groups.0.lr" in info["objects"]
+
+
+def test_inspect_table(ckpt, capsys):
+    root, _ = ckpt
+    assert main(["ckpt", "inspect", root, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks: tp=1 cp=1 pp=1 dp=2 (dp_outer=1 x dp_shard=2)" in out
+    line = next(li for li in out.splitlines() if li.startswith("model.0.weight "))
+    assert line.split() == ["model.0.weight", "(7,", "5)", "float32", "140", "B", "2", "0,1"]
+
+
+def test_consolidate_writes_the_full_tensors(ckpt, tmp_path, capsys):
+    root, ref = ckpt
+    out = tmp_path / "full.pt"
+    assert main(["ckpt", "consolidate", root, str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "consolidate [" in err and "100.0%" in err and "wrote" in err
+    full = torch.load(out, weights_only=True)
+    assert set(full) == {"model", "optim"}
+    flat_ref, flat_got = _flat(ref), _flat(full)
+    assert set(flat_ref) == set(flat_got)
+    for k, t in flat_ref.items():
+        assert t.dtype == flat_got[k].dtype and torch.equal(t.view(-1).view(torch.uint8), flat_got[k].view(-1).view(torch.uint8)), k
+    assert full["optim"]["param_groups"] == ref["optim"]["param_groups"]
+    # The model part loads into a plain module.
+    plain = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
+    plain.load_state_dict(full["model"])
+    # --keys restricts the output.
+    assert main(["ckpt", "consolidate", root, str(tmp_path / "m.pt"), "--keys", "model", "-q"]) == 0
+    assert set(torch.load(tmp_path / "m.pt", weights_only=True)) == {"model"}
+
+
+def test_damaged_checkpoint_exit_1_naming_the_file(ckpt, tmp_path, capsys):
+    root, _ = ckpt
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    data = copy / "step_00000001" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[50] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["ckpt", "consolidate", str(copy), str(tmp_path / "x.pt"), "-q"]) == 1
+    assert "__1_0.distcp" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+    assert main(["ckpt", "inspect", str(copy), "--verify"]) == 1
+    assert "__1_0.distcp: crc32 checksum" in capsys.readouterr().err
+    assert main(["ckpt", "inspect", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
