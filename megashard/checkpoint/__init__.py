@@ -1,4 +1,9 @@
-"""Checkpoint shard metadata, save/load work distribution and shard exchange between ranks."""
+"""Checkpoints: shard metadata, work distribution, shard exchange, and DCP save/load with resharding.
+
+    from megashard import checkpoint
+    path = checkpoint.save("ckpt", step, model, optimizer, consumed_samples=n, keep_last=3)
+    report = checkpoint.load(checkpoint.latest_checkpoint("ckpt"), model, optimizer)
+"""
 from megashard.checkpoint.exchange import (
     EXCHANGE_ALGORITHMS,
     ShardDistribution,
@@ -20,8 +25,16 @@ from megashard.checkpoint.mapping import (
     sharded_tensor_from_dtensor,
 )
 
+from megashard.checkpoint.dcp import LoadReport, load, save  # noqa: E402  (after the pieces it builds on)
+from megashard.checkpoint.safety import latest_checkpoint, list_checkpoints
+
 __all__ = [
     "EXCHANGE_ALGORITHMS",
+    "LoadReport",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load",
+    "save",
     "ReplicaId",
     "ShardDistribution",
     "ShardedStateDict",
