@@ -2,6 +2,7 @@
 
     megashard plan CONFIG [--world-size N] [--rank R] [--ranks-per-node G] [--format table|json]
                           [--groups tp,dp] [--svg FILE] [key=value ...]
+    megashard run CONFIG [key=value ...] [--dry-run]      # train the example job through torchrun (docs/train.md)
 
 Each subcommand lives in a ``_add_<name>(subparsers)`` function that builds its parser and sets
 ``handler`` (a function ``args -> exit code``). Exit codes: 0 success, 1 the command ran but found a
@@ -81,18 +82,17 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megashard.layout import RankLayout
-    from megashard.plan import build_plan, format_table, load_config, parse_group_names, render_svg
+    from megashard.plan import build_plan, format_table, load_config, locality, parse_group_names, render_svg
 
     config, world_size = load_config(args.config, args.overrides, args.world_size)
     layout = RankLayout(config, world_size)
     names = parse_group_names(args.groups)
     as_json = args.format == "json"
-    plan = build_plan(layout, args.rank, args.ranks_per_node, names, all_groups=as_json or args.all_groups)
+    report = locality(layout, args.ranks_per_node)
+    plan = build_plan(layout, args.rank, args.ranks_per_node, names, all_groups=as_json or args.all_groups,
+                      report=report)
     svg = None
     if args.svg:
-        from megashard.plan import locality
-
-        report = locality(layout, args.ranks_per_node)
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), **plan}
@@ -115,17 +115,111 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- run
 # `megashard run CONFIG [key=value ...]` — launch the pretraining job (owner: the train/ developer).
-# Add `_add_run(sub)` here: build its parser with sub.add_parser("run", ...), then
-# p.set_defaults(handler=_cmd_run, parser=p, accepts_overrides=True), and register it in SUBCOMMANDS.
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
+        description=(
+            "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
+            "process, then start the job with PyTorch's elastic launcher (python -m torch.distributed.run): "
+            "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
+            "Slurm variables when present. Rank 0 shows a progress bar; outputs go to train.out_dir "
+            "(metrics.jsonl, loss.png, checkpoints/). See docs/train.md."
+        ),
+        epilog=(
+            "examples:\n"
+            f"  megashard run {DEFAULT_CONFIG}\n"
+            f"  megashard run {DEFAULT_CONFIG} train.steps=50 parallel.tp=1 parallel.dp_shard=4\n"
+            "  megashard run configs/hsdp.yaml launch.max_restarts=2\n"
+            f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
+            "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage (no process started)"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help=f"job YAML (e.g. {DEFAULT_CONFIG}); see docs/config.md")
+    p.add_argument(
+        "overrides", metavar="key=value", nargs="*",
+        help="dotted overrides, e.g. train.steps=20 parallel.tp=1 launch.nproc_per_node=2",
+    )
+    p.add_argument("--dry-run", action="store_true", help="validate, print the torchrun command, start nothing")
+    p.set_defaults(handler=_cmd_run, parser=p, accepts_overrides=True)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from megashard.train.launch import run
+
+    return run(args.config, args.overrides, dry_run=args.dry_run)
 
 
 # ---------------------------------------------------------------------------------------------- ckpt
 # `megashard ckpt ...` — inspect / convert checkpoints between layouts (owner: the checkpoint/ developer).
-# Add `_add_ckpt(sub)` here the same way (nested subparsers such as `ckpt inspect`, `ckpt reshard` are fine).
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ckpt",
+        help="inspect a checkpoint, or consolidate it into one torch.save file (one process, any layout)",
+        description="Offline tools for checkpoints saved by megashard.checkpoint.save. See docs/checkpoint_io.md.",
+        epilog=(
+            "examples:\n"
+            "  megashard ckpt inspect out/checkpoints                 # newest complete checkpoint\n"
+            "  megashard ckpt inspect out/checkpoints/step_00000100 --verify --format json\n"
+            "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
+            "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
+    i = cmds.add_parser(
+        "inspect", help="layout it was saved with, keys, shapes, dtypes, sizes, writers",
+        description="Describe a checkpoint without loading its tensors (DIR: a checkpoint or a root of step_N checkpoints).",
+    )
+    i.add_argument("dir", metavar="DIR", help="checkpoint directory, or a root (its newest complete checkpoint)")
+    i.add_argument("--format", "-f", choices=("table", "json"), default="table")
+    i.add_argument("--verify", action="store_true", help="recompute every file's checksum (reads all data)")
+    i.set_defaults(handler=_cmd_ckpt_inspect, parser=i)
+    c = cmds.add_parser(
+        "consolidate", help="write the full (unsharded) tensors into one torch.save file",
+        description="Gather every shard into full tensors, in one process, and write them to OUT "
+        "({'model': ..., 'optim': ...}; loadable with torch.load(OUT, weights_only=True)).",
+    )
+    c.add_argument("dir", metavar="DIR", help="checkpoint directory, or a root (its newest complete checkpoint)")
+    c.add_argument("out", metavar="OUT", help="output file (written to OUT.tmp, then renamed)")
+    c.add_argument("--keys", default=None, metavar="K1,K2", help="only these keys or prefixes (e.g. model)")
+    c.add_argument("--no-verify", action="store_true", help="check file sizes only, not checksums")
+    c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.set_defaults(handler=_cmd_ckpt_consolidate, parser=c)
 
 
-#: Every subcommand's parser builder, in --help order. Append `_add_run`, `_add_ckpt` here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from megashard.checkpoint.consolidate import format_info, info_to_dict, inspect_checkpoint
+
+    info = inspect_checkpoint(args.dir, verify=args.verify, progress=args.verify)
+    if args.format == "json":
+        sys.stdout.write(json.dumps(info_to_dict(info)) + "\n")
+    else:
+        sys.stdout.write(format_info(info))
+    for problem in info.problems:
+        print(f"megashard ckpt inspect: damaged: {problem}", file=sys.stderr)
+    return 1 if info.problems else 0
+
+
+def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
+    from megashard.checkpoint.consolidate import consolidate
+    from megashard.errors import CheckpointCorruptedError
+
+    keys = {k.strip() for k in args.keys.split(",") if k.strip()} if args.keys else None
+    try:
+        summary = consolidate(args.dir, args.out, verify=not args.no_verify, progress=not args.quiet, keys=keys)
+    except CheckpointCorruptedError as e:
+        print(f"megashard ckpt consolidate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "
+          f"{summary['bytes'] / 1e6:.1f} MB) from {summary['path']}", file=sys.stderr)
+    return 0
+
+
+#: Every subcommand's parser builder, in --help order. A new subcommand: write `_add_<name>(sub)` above, append it here.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_run, _add_ckpt]
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -94,7 +94,7 @@ class OptimConfig:
     schedule: str = "cosine"
     """Decay after warm-up: cosine, linear or constant."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices (biases, norms and embeddings of positions are not decayed)."""
+    """AdamW decoupled weight decay of parameters with 2 or more dims (biases and norms are not decayed)."""
     beta1: float = 0.9
     """AdamW β1."""
     beta2: float = 0.95
@@ -155,8 +155,9 @@ class LaunchConfig:
     """This node's rank (needed only for ``rdzv_backend: static``); under Slurm, defaults to ``SLURM_NODEID``."""
     monitor_interval: float = 0.5
     """Seconds between torchrun's health checks of the workers."""
-    slurm: str = "auto"
-    """Read Slurm variables: ``auto`` (when ``SLURM_JOB_ID`` is set and nnodes is not given), ``on`` or ``off``."""
+    slurm: Optional[bool] = None
+    """Read Slurm variables: ``null`` = when ``SLURM_JOB_ID`` is set (and launch.nnodes is not given on the command
+    line), ``true`` = required, ``false`` = ignore them."""
 
 
 #: The sections documented in docs/config.md after ``parallel`` (read by megashard.configdoc).
@@ -387,7 +388,6 @@ class JobConfig:
         if d.source == "text":
             _need(m.vocab_size >= 256, f"data.source=text is byte-level: model.vocab_size={m.vocab_size} must be >= 256")
         _need(d.branching <= m.vocab_size, f"data.branching={d.branching} must be <= model.vocab_size={m.vocab_size}")
-        _need(la.slurm in ("auto", "on", "off"), f"launch.slurm={la.slurm!r} must be auto, on or off")
         _need(la.monitor_interval > 0, f"launch.monitor_interval={la.monitor_interval} must be > 0")
         if la.node_rank is not None:
             _need(0 <= la.node_rank < la.nnodes, f"launch.node_rank={la.node_rank} must be in 0..nnodes-1={la.nnodes - 1}")

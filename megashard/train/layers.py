@@ -300,6 +300,8 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Per-token loss ``[...]`` of ``logits [..., vocab/tp]`` (this rank's vocabulary slice) against ``target [...]``."""
     if group_size(group) == 1:
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the loss in float32, as the parallel path computes it
         return F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none").view(target.shape)
     return _VocabParallelCE.apply(logits, target, group)
 

@@ -53,7 +53,7 @@ class ProgressBar:
         left = self.total - step
         eta = elapsed / done * left if done > 0 else 0.0
         frac = step / self.total if self.total else 1.0
-        filled = int(round(frac * self.width))
+        filled = int(frac * self.width)
         bar = "#" * filled + "." * (self.width - filled)
         digits = len(str(self.total))
         return (f"step {step:>{digits}}/{self.total} [{bar}] loss {loss:.4f} | {format_rate(tokens_per_s)} tok/s"

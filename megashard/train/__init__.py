@@ -1,0 +1,7 @@
+"""The example pretraining job of ``megashard run``: a small GPT on megashard's parallel state.
+
+Modules: ``config`` (the job's YAML sections), ``layers`` (Megatron-style TP layers), ``model`` (GPT),
+``moe`` (experts over ep), ``data`` (deterministic batches), ``parallelize`` (FSDP2 + global DTensor
+view), ``checkpointing`` (DCP save/resume), ``loop`` (:func:`train`), ``progress``, ``metrics``,
+``launch`` (torchrun command line, Slurm) and ``worker`` (the per-process entry point).
+"""

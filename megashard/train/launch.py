@@ -1,0 +1,179 @@
+"""``megashard run``: validate the job in the launcher process, then start it through torchrun.
+
+    megashard run configs/default.yaml train.steps=50 parallel.tp=1
+
+1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
+   launch.nproc_per_node`` — a bad config fails here with exit code 2, before any process starts.
+2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
+   rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
+   variables unless given explicitly (on the command line for ``nnodes``).
+3. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
+   ``sys.executable -m torch.distributed.run ... -m megashard.train.worker <out_dir>/config.yaml``:
+   ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the config.
+   After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from megashard.errors import ConfigError
+from megashard.train.config import JobConfig
+
+__all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_overrides", "first_host", "run"]
+
+SLURM_PORT = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """The first host name of a Slurm node list: ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    m = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
+    if not m:
+        return first
+    prefix, ranges, suffix = m.groups()
+    start = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{start}{suffix}"
+
+
+def slurm_overrides(env: Mapping[str, str], cli_overrides: Sequence[str] = ()) -> list[str]:
+    """``launch.*`` overrides taken from Slurm variables; explicit overrides win.
+
+    Empty outside Slurm, and when ``launch.nnodes`` is given on the command line (the user sets up the launch).
+    """
+    given = {o.split("=", 1)[0].strip() for o in cli_overrides}
+    if "SLURM_JOB_ID" not in env or "launch.nnodes" in given:  # an explicit node count takes over the launch
+        return []
+    out = []
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if nnodes:
+        out.append(f"launch.nnodes={int(nnodes)}")
+    if "SLURM_NODEID" in env and "launch.node_rank" not in given:
+        out.append(f"launch.node_rank={int(env['SLURM_NODEID'])}")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist and "launch.rdzv_endpoint" not in given:
+        out.append(f"launch.rdzv_endpoint={first_host(nodelist)}:{SLURM_PORT}")
+    if "launch.rdzv_id" not in given:
+        out.append(f"launch.rdzv_id=slurm-{env['SLURM_JOB_ID']}")
+    return out
+
+
+@dataclass
+class LaunchPlan:
+    """Everything :func:`run` needs: the validated job, the torchrun command and its environment additions."""
+
+    job: JobConfig
+    config_path: str
+    command: list[str]
+    env: dict[str, str]
+    notes: list[str]
+
+
+def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
+    """The torchrun command line that runs ``config_path`` (a resolved job YAML) on this node."""
+    la = job.launch
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if la.nnodes == 1 and not la.rdzv_endpoint:
+        cmd.append("--standalone")  # a private c10d store on a free port
+    else:
+        cmd += ["--nnodes", str(la.nnodes), "--rdzv-backend", la.rdzv_backend,
+                "--rdzv-endpoint", la.rdzv_endpoint or f"localhost:{SLURM_PORT}",  # plan_launch requires it
+                "--rdzv-id", la.rdzv_id or f"megashard-{job.name}"]
+        if la.node_rank is not None and la.rdzv_backend == "static":
+            cmd += ["--node-rank", str(la.node_rank)]
+    cmd += ["--nproc-per-node", str(la.nproc_per_node), "--max-restarts", str(la.max_restarts),
+            "--monitor-interval", str(la.monitor_interval),
+            "-m", "megashard.train.worker", config_path, "--name", job.name]
+    return cmd
+
+
+def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mapping[str, str]] = None) -> LaunchPlan:
+    """Parse, apply Slurm settings, validate for the world size, and build the torchrun command.
+
+    Raises :class:`ConfigError` for anything wrong with the job. Writes nothing.
+    """
+    env = os.environ if env is None else env
+    overrides = list(overrides)
+    notes: list[str] = []
+    job = JobConfig.from_yaml(config, overrides)
+    use_slurm = job.launch.slurm is not False and "SLURM_JOB_ID" in env
+    if job.launch.slurm and "SLURM_JOB_ID" not in env:
+        raise ConfigError("launch.slurm=true but SLURM_JOB_ID is not set: run inside a Slurm allocation (srun), "
+                          "or use launch.slurm=null (use Slurm when present)")
+    extra = slurm_overrides(env, overrides) if use_slurm else []
+    if extra:
+        job = JobConfig.from_yaml(config, extra + overrides)
+        notes.append("Slurm: " + " ".join(extra))
+        if job.launch.nnodes > 1 and "SLURM_STEP_ID" not in env:
+            notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "
+                         "`srun --ntasks-per-node=1 megashard run ...`")
+    job.validate()
+    if job.launch.nnodes > 1 and not job.launch.rdzv_endpoint:
+        raise ConfigError(
+            f"launch.nnodes={job.launch.nnodes} needs launch.rdzv_endpoint=<host:port> of a node every node can reach "
+            "(e.g. node 0, port 29500), the same on every node; under Slurm it is taken from SLURM_JOB_NODELIST"
+        )
+    path = os.path.join(job.out_dir, "config.yaml")
+    child_env = {}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        # torchrun shares its rendezvous store with the workers by default, and after a restart the new
+        # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
+        # (pytorch/pytorch#135712). A store per attempt makes max_restarts work.
+        child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
+        child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
+    return LaunchPlan(job, path, torchrun_command(job, path), child_env, notes)
+
+
+def _write_config(job: JobConfig, path: str) -> None:
+    import yaml
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"# resolved config of megashard run {job.name} (overrides applied); the workers read this file\n")
+        yaml.safe_dump(job.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
+    """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError)."""
+    plan = plan_launch(config, overrides)
+    job, s = plan.job, plan.job.validate()
+    keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
+    layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
+    print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
+          f"{job.launch.nproc_per_node}), {layout}, {job.train.steps} steps → {job.out_dir}", file=sys.stderr)
+    for note in plan.notes:
+        print(f"megashard run: {note}", file=sys.stderr)
+    if dry_run:
+        print(shlex.join(plan.command))
+        return 0
+    try:
+        _write_config(job, plan.config_path)
+    except OSError as e:
+        print(f"megashard run: error: cannot write {plan.config_path} (train.out_dir={job.train.out_dir!r}): "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 2
+    sys.stderr.flush()
+    try:
+        proc = subprocess.run(plan.command, env={**os.environ, **plan.env})
+    except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
+        return 130
+    if proc.returncode != 0:
+        print(f"megashard run: the job failed (torchrun exit code {proc.returncode}); "
+              f"rerun the same command to resume from the newest checkpoint in {job.checkpoint_dir}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,267 @@
+"""The training loop of ``megashard run``: one function, :func:`train`, run by every process.
+
+    result = train(JobConfig.from_yaml("configs/default.yaml"))   # under torchrun (or any initialised world)
+
+Per step: lr from the schedule, RNG re-seeded from (seed, step), this rank's batch, forward and
+backward through the TP layers and FSDP2, gradient clipping with the norm reduced over the right
+groups (:func:`clip_grad_norm`), AdamW, the global loss averaged over the data-parallel ranks,
+metrics/progress on rank 0, a checkpoint every ``checkpoint.interval`` steps. A run resumes from the
+newest complete checkpoint of its checkpoint directory.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megashard.train.config import JobConfig
+
+__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns on every rank."""
+
+    start_step: int
+    """Step the run started after (0, or the step of the checkpoint it resumed from)."""
+    final_step: int
+    """Last step trained."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """step → global mean loss (identical on every rank)."""
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    """step → global gradient norm before clipping."""
+    seconds: float = 0.0
+    """Wall time of the training steps (excluding set-up)."""
+    tokens_per_s: float = 0.0
+    """Average global throughput of this run's steps."""
+    out_dir: str = ""
+    """The run's output directory."""
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+def lr_at(step: int, job: JobConfig) -> float:
+    """Learning rate of 0-based ``step``: linear warm-up, then cosine/linear decay to ``min_lr`` (or constant)."""
+    o, total = job.optim, job.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    if o.schedule == "linear":
+        return o.lr + (o.min_lr - o.lr) * progress
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------- clipping
+def _all_reduce(t: torch.Tensor, state: Any, name: str) -> None:
+    if state.size(name) > 1:
+        dist.all_reduce(t, group=state.group(name))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Any) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of ``max_norm`` (0 = only measure); returns the norm before clipping.
+
+    Each rank holds FSDP shards of TP slices. The squared norm is summed exactly once per element:
+    TP-split parameters over ``tp`` then ``dp_shard_cp``; TP-replicated ones over ``dp_shard_cp`` only
+    (every TP rank holds the same copy); HSDP replicas (``dp_outer``) hold identical gradients and are
+    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards).
+    """
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    device = next((p.device for p in params), torch.device("cpu"))
+    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert")}
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads.append(p.grad)
+        if g.numel() == 0:
+            continue
+        kind = "expert" if getattr(p, "_expert_parallel", False) else ("tp" if getattr(p, "tensor_model_parallel", False) else "rep")
+        sq[kind] += g.detach().to(dtype).pow(2).sum()
+    _all_reduce(sq["tp"], state, "tp")
+    dense = sq["tp"] + sq["rep"]
+    _all_reduce(dense, state, "dp_shard_cp")
+    expert = sq["expert"]
+    if any(getattr(p, "_expert_parallel", False) for p in params):
+        _all_reduce(expert, state, "ep")
+        _all_reduce(expert, state, "expt_dp")
+    norm = (dense + expert).sqrt()
+    if max_norm > 0:
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------- building
+def _device(job: JobConfig) -> torch.device:
+    from megashard.state import _device_type
+
+    if _device_type(job.parallel) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build(job: JobConfig, state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The parallelized model (initialised from the seed) and its AdamW, for the current layout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from megashard.train.model import GPT, ModelGroups, init_parameters
+    from megashard.train.parallelize import parallelize
+
+    dtype = _DTYPES[job.train.dtype]
+    param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights, bf16 compute
+    groups = ModelGroups.from_state(state)
+    model = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
+                device=_device(job))
+    init_parameters(model, job.parallel.seed, groups)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
+    parallelize(model, state, mp_policy=mp)
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if len(getattr(p, "_global_shape", p.shape)) >= 2 else no_decay).append(p)
+    o = job.optim
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True,
+    )
+    return model, optimizer
+
+
+def full_parameters(model: torch.nn.Module, state: Any) -> dict[str, torch.Tensor]:
+    """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
+    from megashard.train.parallelize import global_dtensor, local_tensor
+
+    return {n: global_dtensor(local_tensor(p.detach()), p, state).full_tensor() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> TrainResult:
+    """Run the job on the current world (initialising torch.distributed from torchrun's environment if needed).
+
+    ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
+    to compare parameters). Returns a :class:`TrainResult` on every rank.
+    """
+    import megashard.state as ms
+    from megashard.random import model_parallel_manual_seed
+    from megashard.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megashard.train.data import Batches
+    from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
+    from megashard.train.progress import ProgressBar
+
+    ms.init_distributed(job.parallel)
+    sizes = job.validate(dist.get_world_size())
+    own_state = not ms.is_initialized()
+    state = ms.initialize(job.parallel) if own_state else ms.get_parallel_state()
+    if not own_state and state.sizes != sizes:
+        from megashard.errors import ConfigError
+
+        raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
+                          f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the same sizes")
+    rank = dist.get_rank()
+    t = job.train
+    try:
+        seed = job.parallel.seed
+        model_parallel_manual_seed(seed)
+        model, optimizer = build(job, state)
+        ckpt_root = job.checkpoint_dir
+        start = 0
+        found = latest_checkpoint(ckpt_root) if t.resume else None
+        if found is not None:
+            start = load_checkpoint(found, model, optimizer, state)
+            if rank == 0:
+                print(f"megashard run: resumed from {found} (step {start})", file=sys.stderr, flush=True)
+        data = Batches(job.data, job.model, t.global_batch, seed, dp_rank=state.rank_in("dp"), dp_size=sizes.dp,
+                       cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=_device(job))
+        out_dir = job.out_dir
+        writer = None
+        if rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
+        bar = ProgressBar(t.steps, start, enabled=t.progress and rank == 0, log_interval=t.log_interval)
+        params = list(model.parameters())
+        tokens_per_step = t.global_batch * job.model.seq_len
+        result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
+        dp_cp = sizes.dp * sizes.cp
+        model.train()
+        t_start = time.perf_counter()
+        for step in range(start, t.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, job)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # Dropout masks depend on (seed, step) only: a resumed run draws what the original drew.
+            model_parallel_manual_seed(seed + 7919 * (step + 1))
+            x, y = data.batch(step)
+            loss = model(x, y)
+            loss.backward()
+            norm = clip_grad_norm(params, job.optim.grad_clip, state)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            # Every rank's loss is the mean over its tokens: the mean over dp·cp ranks is the global mean.
+            lsum = loss.detach().to(torch.float64 if loss.dtype == torch.float64 else torch.float32).clone()
+            _all_reduce(lsum, state, "dp_cp")
+            gloss = float(lsum) / dp_cp
+            dt = time.perf_counter() - t0
+            done = step + 1
+            result.losses[done], result.grad_norms[done], result.final_step = gloss, float(norm), done
+            if writer is not None:
+                writer.write({"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
+                              "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()})
+            bar.update(done, gloss, tokens_per_step * (done - start) / (time.perf_counter() - t_start))
+            if t.fail_at_step == done and rank == t.fail_rank and _restart_count() == 0:
+                bar.close()
+                print(f"\nmegashard run: rank {rank}: injected failure after step {done} (train.fail_at_step)",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            last = done == t.steps
+            if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
+                save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
+                                keep=job.checkpoint.keep)
+        bar.close()
+        result.seconds = time.perf_counter() - t_start
+        steps_run = result.final_step - start
+        result.tokens_per_s = tokens_per_step * steps_run / result.seconds if steps_run and result.seconds > 0 else 0.0
+        if on_end is not None:
+            on_end(model, state)
+        if writer is not None:
+            writer.close()
+            _report(job, result, read_metrics(writer.path), plot_loss)
+        return result
+    finally:
+        if own_state:
+            ms.destroy()
+
+
+def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) -> None:
+    """Rank 0's summary at the end: final loss, throughput, outputs, the loss plot."""
+    out = result.out_dir
+    msg = [f"megashard run: {job.name}: "]
+    if result.final_step == result.start_step:
+        msg.append(f"nothing to do, already at step {result.final_step} of {job.train.steps} "
+                   f"(checkpoint in {job.checkpoint_dir}; raise train.steps or set train.resume=false)")
+    else:
+        msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "
+                   f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
+    lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
+    if job.train.plot:
+        png = os.path.join(out, "loss.png")
+        note = plot(records, png, title=f"{job.name}: loss")
+        lines.append(f"  {note}" if note else f"  loss curve: {png}")
+    lines.append(f"  checkpoints: {job.checkpoint_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)

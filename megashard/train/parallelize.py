@@ -1,0 +1,112 @@
+"""FSDP2 over megashard's meshes, and the layout-independent view of the sharded model.
+
+:func:`parallelize` shards the TP-local parameters of a :class:`~megashard.train.model.GPT` with
+``fully_shard`` over ``state.fully_shard_mesh`` (``dp_shard_cp``; ``(dp_outer, dp_shard_cp)`` = HSDP),
+block by block, and the experts of MoE blocks over ``expt_dp``. FSDP replaces every parameter by a
+DTensor on the data-parallel mesh only, so the TP attributes (and megashard's ``_global_shape``,
+``_expert_parallel``) are copied onto the new parameters.
+
+:func:`global_dtensor` describes one rank's FSDP shard of a TP slice as a DTensor of the *global*
+parameter on ``state.fsdp_mesh`` (placements from :func:`megashard.tensors.placements.resolve_placements`,
+e.g. ``(R, R, _StridedShard(0, sf=tp), Shard(0))`` for a column-parallel weight), which is what
+checkpoints store: they load into any other layout.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from megashard._compat import _StridedShard
+from megashard.tensors.placements import resolve_placements
+
+__all__ = ["parallelize", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
+
+#: Python attributes of a parameter that survive ``fully_shard`` (copied onto FSDP's new parameter).
+PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode",
+               "_global_shape", "_init", "_expert_parallel", "allreduce")
+
+
+def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+
+
+def parallelize(model: nn.Module, state: Any, *, mp_policy: Optional[Any] = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Apply FSDP2 in place: experts over ``expt_dp``, each block and the root over ``state.fully_shard_mesh``.
+
+    Expert gradients are divided by ``dp · cp`` (not FSDP's default ``expt_dp``) because every expert
+    receives the tokens of the whole ``ep`` group: the result is the average over all data-parallel
+    ranks, as for the dense parameters.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from megashard.train.moe import MoE
+
+    attrs = _saved_attrs(model)
+    mp = mp_policy or MixedPrecisionPolicy()
+    mesh = state.fully_shard_mesh
+    for block in getattr(model, "blocks", []):
+        if isinstance(getattr(block, "mlp", None), MoE):
+            experts = fully_shard(block.mlp.experts, mesh=state.mesh("expt_dp"), mp_policy=mp,
+                                  reshard_after_forward=reshard_after_forward)
+            experts.set_gradient_divide_factor(float(state.size("dp") * state.size("cp")))
+            if dist.get_backend(state.group("expt_dp")) != "nccl":
+                # A custom factor becomes NCCL's PREMUL_SUM, which gloo lacks: divide outside the collective.
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for name, p in model.named_parameters():
+        for a, v in attrs.get(name, {}).items():
+            setattr(p, a, v)
+    return model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: ``t.to_local()`` for a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def param_layout(p: torch.Tensor, state: Any) -> tuple[Any, tuple[Placement, ...], tuple[int, ...]]:
+    """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
+
+    Dense parameters live on ``state.fsdp_mesh`` (pp, dp_outer, dp_shard_cp, tp); experts on
+    ``state.expert_mesh`` (pp, expt_dp, ep, expt_tp): experts split dim 0 over ep, then FSDP chunks this
+    rank's experts over expt_dp.
+    """
+    shape = tuple(getattr(p, "_global_shape", tuple(p.shape)))
+    if getattr(p, "_expert_parallel", False):
+        mesh = state.expert_mesh
+        ep = state.size("ep")
+        fsdp = _StridedShard(0, split_factor=ep) if ep > 1 else Shard(0)
+        placements = (Replicate(), fsdp, Shard(0) if ep > 1 else Replicate(), Replicate())
+        return mesh, placements, shape
+    proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
+    for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):
+        if hasattr(p, a):
+            setattr(proxy, a, getattr(p, a))
+    mesh = state.fsdp_mesh
+    return mesh, resolve_placements(proxy, mesh, global_shape=shape), shape
+
+
+def global_dtensor(local: torch.Tensor, p: torch.Tensor, state: Any) -> DTensor:
+    """Wrap ``local`` (this rank's FSDP shard of ``p``'s TP slice, or a tensor shaped like it) as the global DTensor."""
+    mesh, placements, shape = param_layout(p, state)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def iter_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Named parameters (FSDP keeps the module paths as names)."""
+    yield from model.named_parameters()
