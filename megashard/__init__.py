@@ -4,15 +4,28 @@
     state = megashard.initialize(megashard.ParallelConfig(tp=2, dp_outer=2))
     state.group("tp"); state.fsdp_mesh; state.fully_shard_mesh
     megashard.destroy()
+
+Config, layout and errors are pure Python; the torch-dependent parts (state, meshes) load on first use,
+so `megashard plan` starts without importing torch.
 """
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError, MegashardError, StateError, TransformerEngineMissingError
 from megashard.layout import RankLayout
-from megashard.state import ParallelState, destroy, get_parallel_state, initialize, is_initialized
 
 __version__ = "0.1.0"
 
+_LAZY = {"ParallelState", "destroy", "get_parallel_state", "initialize", "is_initialized", "set_parallel_state"}
+
 __all__ = [
     "ConfigError", "MegashardError", "ParallelConfig", "ParallelState", "RankLayout", "ResolvedSizes", "StateError",
-    "TransformerEngineMissingError", "destroy", "get_parallel_state", "initialize", "is_initialized", "__version__",
+    "TransformerEngineMissingError", "destroy", "get_parallel_state", "initialize", "is_initialized",
+    "set_parallel_state", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from megashard import state
+
+        return getattr(state, name)
+    raise AttributeError(f"module 'megashard' has no attribute {name!r}")
