@@ -83,7 +83,7 @@ def _random_parts(seed, zero_bias=False):
     def fn(d, path, ext, n):
         rng = random.Random(f"{seed}-{d}-{path}")
         parts = _rand_parts(ext, n, rng)
-        if zero_bias and ext and rng.random() < 0.5:  # force an empty shard
+        if zero_bias and ext and n > 1 and rng.random() < 0.5:  # force an empty shard
             k = rng.randrange(n)
             parts[(k + 1) % n] += parts[k]
             parts[k] = 0
@@ -155,6 +155,11 @@ def check_rows_and_columns_1d(rank, world_size):
     md = gather_and_compute_chunk_metadata(dt)
     assert tuple(md.offsets) == (0, 4 * rank) and tuple(md.sizes) == (5, [4, 4, 4, 2][rank])
 
+    # the first gather attached the layout: the second one moves data only
+    with _Count() as c:
+        assert torch.equal(_gather(dt), g)
+    assert c.n["all_gather"] == 0 and c.n["broadcast"] == 4  # one per piece (own included)
+
     # arbitrary sizes, an empty shard in the middle: rows [5, 0, 6, 3], columns [2, 7, 0, 5]
     for dim, parts, gshape in ((0, [5, 0, 6, 3], (rows, 5)), (1, [2, 7, 0, 5], (5, rows))):
         g = _arange(*gshape)
@@ -165,6 +170,35 @@ def check_rows_and_columns_1d(rank, world_size):
         exp_off[dim] = gshape[dim] if parts[rank] == 0 else sum(parts[:rank])
         assert tuple(md.offsets) == tuple(exp_off), (md.offsets, exp_off)
         assert tuple(md.sizes) == tuple(size)
+
+
+def check_gather_rounds_1d(rank, world_size):
+    """A 1-D gather without a layout is one round (metadata + data); big pieces add a second one."""
+    from torch.distributed.tensor import Shard
+
+    mesh = _mesh((W,))
+    g = _arange(40, 3)
+    dt, start, size = _make(g, mesh, [Shard(0)], {0: [0]}, lambda d, p, e, n: [9, 12, 10, 9])
+    with _Count() as c:
+        assert torch.equal(_gather(dt), g)
+    assert c.n == {**c.n, "all_gather": 0, "broadcast": W}, c.n
+    # one rank holds everything: far beyond torch.chunk's 10 rows -> its piece follows in round two
+    dt, start, size = _make(g, mesh, [Shard(0)], {0: [0]}, lambda d, p, e, n: [0, 0, 40, 0])
+    with _Count() as c:
+        assert torch.equal(_gather(dt), g)
+    assert c.n == {**c.n, "all_gather": 0, "broadcast": W + 1}, c.n
+    # a tensor too big to send eagerly takes the general path: metadata all-gather, then data
+    import megashard.tensors.uneven as U
+
+    cap, U._EAGER_CAP = U._EAGER_CAP, 1 << 16  # 64 KiB instead of 4 MiB keeps the test small
+    try:
+        g = _arange(512, 96)  # torch.chunk piece: 128 rows * 768 B = 96 KiB
+        dt, start, size = _make(g, mesh, [Shard(0)], {0: [0]}, _random_parts("big"))
+        with _Count() as c:
+            assert torch.equal(_gather(dt), g)
+    finally:
+        U._EAGER_CAP = cap
+    assert c.n["all_gather"] == 1 and c.n["broadcast"] == sum(1 for x in _random_parts("big")(0, (), 512, W) if x)
 
 
 def check_2d_mesh_13x15(rank, world_size):
@@ -233,7 +267,7 @@ def check_random_lengths(rank, world_size):
 
 
 def check_strided_fsdp_tp_odd_shapes(rank, world_size):
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     from megashard._compat import _StridedShard, torch_compute_local_shape_and_global_offset
     from megashard.tensors.shape import get_local_shape_and_global_offset
@@ -258,7 +292,6 @@ def check_strided_fsdp_tp_odd_shapes(rank, world_size):
     assert torch.equal(_gather(dt), g)
     md = gather_and_compute_chunk_metadata(dt)
     assert tuple(md.offsets) == ((0, 6, 11, 8)[rank], 0)
-    assert DTensor  # imported for clarity of the from_local origin
 
 
 def check_partial_and_target(rank, world_size):
@@ -467,6 +500,7 @@ def check_split_dtensor(rank, world_size):
 
 CHECKS = [
     check_rows_and_columns_1d,
+    check_gather_rounds_1d,
     check_2d_mesh_13x15,
     check_random_lengths,
     check_strided_fsdp_tp_odd_shapes,
@@ -519,3 +553,80 @@ def test_slice_helpers_and_chunk_sizes():
         for k in (1, 2, 3, 4, 7):
             ref = [c.shape[0] for c in torch.arange(n).chunk(k)]
             assert list(_chunk_sizes(n, k)) == ref + [0] * (k - len(ref))
+
+
+class _StubDTensor:
+    """What the metadata engine reads from a DTensor: global shape, placements, local shard, dtype."""
+
+    def __init__(self, gshape, placements, local_shape):
+        self.shape = torch.Size(gshape)
+        self.placements = tuple(placements)
+        self.dtype = torch.float32
+        self._local_tensor = torch.empty(local_shape)
+
+
+def _simulate_exchange(gshape, mesh_shape, placements, orders, parts_fn):
+    """Run the per-axis exchange of every rank of a virtual mesh in one process (no communication)."""
+    import itertools
+
+    from megashard.tensors.uneven import _Work
+
+    truth, works = {}, {}
+    for c in itertools.product(*[range(n) for n in mesh_shape]):
+        start, size = _truth_box(gshape, mesh_shape, c, orders, parts_fn)
+        truth[c] = (start, size)
+        works[c] = _Work("k", _StubDTensor(gshape, placements, size), mesh_shape)
+    for axis, n in enumerate(mesh_shape):
+        payloads = {c: w.payload() for c, w in works.items()}  # all sent before anyone absorbs
+        for c, w in works.items():
+            rows = [payloads[c[:axis] + (i,) + c[axis + 1:]] for i in range(n)]
+            assert w.absorb(axis, rows, c) is None
+    out = {}
+    for c, w in works.items():
+        layout, problem = w.finish()
+        assert problem is None, problem
+        out[c] = layout
+    return truth, out
+
+
+@pytest.mark.parametrize("mesh_shape,placements,orders", [
+    ((2, 2, 2), "S0 S0 S0", {0: [0, 1, 2]}),
+    ((2, 2, 2), "S0 SS0/2 S0", {0: [0, 2, 1]}),
+    ((2, 2, 2), "SS0/4 SS0/2 S0", {0: [2, 1, 0]}),
+    ((3, 2, 4), "S1 SS0/4 S0", {1: [0], 0: [2, 1]}),
+    ((2, 3, 2), "S0 R S1", {0: [0], 1: [2]}),
+    ((4, 1, 3), "S0 S0 S1", {0: [0, 1], 1: [2]}),
+])
+def test_exchange_engine_on_virtual_meshes(mesh_shape, placements, orders):
+    """Every rank of up to 24-rank meshes (3 nesting levels, both orders) finds the true layout."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megashard._compat import _StridedShard
+    from megashard.tensors.shape import local_shape_and_offset_at
+
+    def parse(tok):
+        if tok == "R":
+            return Replicate()
+        if tok.startswith("SS"):
+            d, sf = tok[2:].split("/")
+            return _StridedShard(int(d), split_factor=int(sf))
+        return Shard(int(tok[1:]))
+
+    pl = [parse(t) for t in placements.split()]
+    for trial in range(4):
+        gshape = (random.Random(trial).randint(0, 29), 3 + trial)
+        fn = _chunk_fn if trial == 0 else _random_parts(f"sim{trial}{placements}", zero_bias=trial > 1)
+        truth, layouts = _simulate_exchange(gshape, mesh_shape, pl, orders, fn)
+        for c, lay in layouts.items():
+            start, size = truth[c]
+            assert list(lay.start) == start and list(lay.local_shape) == size, (c, lay, truth[c])
+            assert tuple(lay.offsets) == _torch_offset(start, size, gshape, orders)
+            for d, axes in orders.items():  # the gather plan: sibling extents at every level
+                assert [lv.axis for lv in lay.levels[d]] == axes
+                ext, path = gshape[d], ()
+                for lv in lay.levels[d]:
+                    assert list(lv.extents) == fn(d, path, ext, mesh_shape[lv.axis])
+                    ext, path = lv.extents[c[lv.axis]], path + (c[lv.axis],)
+            if trial == 0:  # torch.chunk layout: PyTorch (shape.py) agrees
+                ref = local_shape_and_offset_at(gshape, mesh_shape, pl, c)
+                assert (lay.local_shape, lay.offsets) == (tuple(ref[0]), tuple(ref[1])), (c, lay, ref)

@@ -22,6 +22,7 @@ Names and signatures follow Megatron-FSDP's ``uneven_dtensor`` module.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from megashard._compat import dtensor_local
 from megashard.errors import MegashardError, StateDictKeyError, StateDictMismatchError, UnevenDTensorError
 from megashard.tensors.shape import _explicit_order_placements, get_local_shape_and_global_offset
 
@@ -110,16 +112,13 @@ def _make_layout(global_shape, local_shape, levels, placements) -> ChunkLayout:
 
 
 def get_chunk_layout(dtensor: DTensor) -> Optional[ChunkLayout]:
-    """The layout attached by :func:`update_uneven_dtensor_chunk_metadata` (or a preprocess/split), else None."""
+    """The layout attached to ``dtensor`` by :func:`update_uneven_dtensor_chunk_metadata`, a preprocess,
+    a split or a gather; None if there is none or it no longer matches the DTensor's shapes."""
     layout = getattr(dtensor, _LAYOUT_ATTR, None)
     if layout is None:
         return None
-    if layout.local_shape != tuple(dtensor.to_local().shape) or layout.global_shape != tuple(dtensor.shape):
-        raise UnevenDTensorError(
-            f"the chunk layout attached to this DTensor (local {layout.local_shape}, global {layout.global_shape}) "
-            f"no longer matches it (local {tuple(dtensor.to_local().shape)}, global {tuple(dtensor.shape)}); "
-            "call update_uneven_dtensor_chunk_metadata(dtensor) again on every rank"
-        )
+    if layout.local_shape != tuple(dtensor_local(dtensor).shape) or layout.global_shape != tuple(dtensor.shape):
+        return None
     return layout
 
 
@@ -143,6 +142,16 @@ def _fingerprint(items: Sequence[Any]) -> int:
 
 def _dim_orders(mesh_shape: Sequence[int], placements: Sequence[Any], ndim: int) -> dict[int, list[int]]:
     """Tensor dim -> mesh axes that split it, outermost first (PyTorch's order, strided runs resolved)."""
+    key = (tuple(int(n) for n in mesh_shape), tuple(placements), ndim)
+    try:
+        orders = _dim_orders_cached(*key)
+    except TypeError:  # an unhashable placement type: compute without the cache
+        orders = _dim_orders_cached.__wrapped__(*key)
+    return {d: list(axes) for d, axes in orders}
+
+
+@functools.lru_cache(maxsize=1024)  # a state dict repeats a handful of layouts thousands of times
+def _dim_orders_cached(mesh_shape: tuple, placements: tuple, ndim: int) -> tuple:
     orders: dict[int, list[int]] = {}
     for axis, p in _explicit_order_placements(mesh_shape, placements):
         if isinstance(p, Shard):
@@ -150,7 +159,7 @@ def _dim_orders(mesh_shape: Sequence[int], placements: Sequence[Any], ndim: int)
             if not 0 <= d < ndim:
                 raise UnevenDTensorError(f"{p} on mesh axis {axis} shards dim {p.dim} of a {ndim}-d tensor")
             orders.setdefault(d, []).append(axis)
-    return orders
+    return tuple((d, tuple(a)) for d, a in sorted(orders.items()))
 
 
 class _Work:
@@ -166,7 +175,7 @@ class _Work:
     def __init__(self, key: str, dtensor: DTensor, mesh_shape: Sequence[int]) -> None:
         self.key, self.dtensor = key, dtensor
         self.gshape = tuple(int(s) for s in dtensor.shape)
-        self.lshape = tuple(int(s) for s in dtensor.to_local().shape)
+        self.lshape = tuple(int(s) for s in dtensor_local(dtensor).shape)
         self.orders = _dim_orders(mesh_shape, dtensor.placements, len(self.gshape))
         lsh = self.lshape if len(self.lshape) == len(self.gshape) else (0,) * len(self.gshape)
         self.tab = {d: np.array(lsh[d], dtype=np.int64) for d in sorted(self.orders)}
@@ -402,6 +411,7 @@ def compute_chunk_layouts(
             raise UnevenDTensorError(f"{key!r} is a {type(dt).__name__}, not a DTensor")
         by_mesh[add(dt.device_mesh)][1].append((key, dt))
     out: dict[str, ChunkLayout] = {}
+    first_error: Optional[MegashardError] = None
     for sig in sorted(by_mesh, key=repr):
         mesh, items = by_mesh[sig]
         if mesh.get_coordinate() is None:
@@ -416,8 +426,15 @@ def compute_chunk_layouts(
                 bad = bad or f"{key}: {e}"
         if bad is not None:
             works = [_BrokenWork(bad)]  # type: ignore[list-item]
-        for (key, _), layout in zip(items, _exchange(mesh, works, items, check_peers=True)):
+        try:
+            layouts = _exchange(mesh, works, items, check_peers=True)
+        except MegashardError as e:  # finish the other meshes first: their peers are waiting
+            first_error = first_error or e
+            continue
+        for (key, _), layout in zip(items, layouts):
             out[key] = layout
+    if first_error is not None:
+        raise first_error
     return out
 
 
@@ -486,7 +503,7 @@ def _attach(dtensor: DTensor, layout: ChunkLayout) -> None:
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
                 chunk=chunk,
-                properties=TensorProperties.create_from_tensor(obj.to_local()),
+                properties=TensorProperties.create_from_tensor(dtensor_local(obj)),
                 size=torch.Size(layout.global_shape),
             ),
         )]
@@ -603,7 +620,13 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict, *, meshes: Sequen
     keys, shapes, placements or dtypes; :class:`UnevenDTensorError` if local shards do not tile.
     """
     chains = filter_unflattened_state_dict(state_dict)
-    named = [(".".join(str(k) for k in chain), get_unflattened_state_dict(state_dict, chain)) for chain in chains]
+    named, seen = [], set()
+    for chain in chains:
+        key = ".".join(str(k) for k in chain)
+        while key in seen:  # e.g. {"a.b": x, "a": {"b": y}}: keys must stay unique (and equal on every rank)
+            key += "'"
+        seen.add(key)
+        named.append((key, get_unflattened_state_dict(state_dict, chain)))
     layouts = compute_chunk_layouts(named, meshes=meshes)
     for key, dt in named:
         if key in layouts:
@@ -718,11 +741,11 @@ def gather_uneven_dtensor_to_full_tensor(
     """The full tensor of an (uneven) DTensor on every rank of its mesh.
 
     Equals ``dtensor.full_tensor()`` wherever that is defined, and is also right for arbitrary
-    local sizes. Collective over the mesh: if no layout is attached (see
-    :func:`update_uneven_dtensor_chunk_metadata`), one small all-gather per mesh axis finds it;
-    then, per sharded level, one broadcast per piece moves the data straight into the result
-    (works on gloo, which rejects differently sized all-gathers). Partial axes are reduced first.
-    No autograd.
+    local sizes. Collective over the mesh: if no layout is attached, one small all-gather per mesh
+    axis finds it and attaches it to ``dtensor`` (as :func:`update_uneven_dtensor_chunk_metadata`
+    does), so the next gather of the same DTensor moves data only: per sharded level, one
+    broadcast per piece, straight into the result (works on gloo, which rejects differently sized
+    all-gathers; no padding). Partial axes are reduced first. No autograd.
 
     Args:
         dtensor: the DTensor, shape ``G`` (any placements).
@@ -731,11 +754,110 @@ def gather_uneven_dtensor_to_full_tensor(
             ``to_local()`` is the full tensor; False: the plain full tensor of shape ``G``.
     """
     mesh = dtensor.device_mesh
-    layout = get_chunk_layout(dtensor) or _single_layout(dtensor)
+    layout = get_chunk_layout(dtensor)
     with torch.no_grad():
-        local = _reduce_partials(dtensor.to_local(), dtensor)
+        if layout is None:  # every rank gets here together (the layout follows the shapes only)
+            eager = _eager_gather_1d(dtensor)
+            if eager is not None:
+                full, layout = eager
+                _attach(dtensor, layout)
+                return _finish(full, mesh, target_device, return_dtensor)
+            layout = _single_layout(dtensor)
+            _attach(dtensor, layout)
+        local = _reduce_partials(dtensor_local(dtensor), dtensor)
         full = _assemble(local, layout, mesh)
     return _finish(full, mesh, target_device, return_dtensor)
+
+
+_EAGER_CAP = 4 << 20  # bytes per rank sent eagerly with the metadata (small tensors: one round, not two)
+_EAGER_SLACK = 1.25  # room for pieces up to 1.25x the torch.chunk size before a second round is needed
+
+
+def _eager_gather_1d(dtensor: DTensor) -> Optional[tuple[torch.Tensor, ChunkLayout]]:
+    """Gather a small DTensor sharded by one mesh axis in ONE round: metadata and data together.
+
+    Each rank broadcasts ``[fingerprint, error, local shape | first K bytes of its shard]`` with K
+    fixed by the global shape (every rank computes the same K): pieces up to ``_EAGER_SLACK`` times
+    the torch.chunk size (all of FSDP's) arrive in that round; the bytes of larger pieces beyond K
+    follow in a second round, straight into place when the piece is contiguous. Returns None (use the general path) unless exactly one mesh axis has size > 1 and
+    it is a ``Shard`` whose torch.chunk piece is at most ``_EAGER_CAP`` bytes.
+    """
+    mesh = dtensor.device_mesh
+    axes = [a for a in range(mesh.ndim) if mesh.size(a) > 1]
+    if len(axes) != 1 or not isinstance(dtensor.placements[axes[0]], Shard):
+        return None
+    axis, n = axes[0], mesh.size(axes[0])
+    gshape = tuple(int(x) for x in dtensor.shape)
+    ndim = len(gshape)
+    d = _dim_orders(tuple(mesh.shape), dtensor.placements, ndim)
+    (d, _), = d.items()
+    local = dtensor_local(dtensor)
+    row = int(np.prod([g for i, g in enumerate(gshape) if i != d], dtype=np.int64)) * local.element_size()
+    cap = int(-(-gshape[d] // n) * _EAGER_SLACK + 1) * row
+    if cap > _EAGER_CAP:
+        return None
+    coord = [int(c) for c in mesh.get_coordinate()]
+    me = coord[axis]
+    group, line, _ = _axis_peers(mesh, axis, coord)
+    work = _Work("<tensor>", dtensor, tuple(mesh.shape))  # for its local checks only
+    problem = work.local_problem()
+    head = 8 * (3 + ndim)
+    fp = _fingerprint(_summaries([("<tensor>", dtensor)]))
+    bufs = [torch.empty(head + cap, dtype=torch.uint8, device=local.device) for _ in range(n)]
+    mine = bufs[me]
+    lshape = (list(local.shape) + [0] * ndim)[:ndim]  # fixed length even for a malformed shard
+    mine[:head].view(torch.int64).copy_(torch.tensor([fp, 1 if problem else 0, dist.get_rank()] + lshape))
+    nbytes = local.numel() * local.element_size()
+    if nbytes and not problem:
+        flat = local.contiguous().view(-1).view(torch.uint8)
+        mine[head:head + min(nbytes, cap)].copy_(flat[:cap])
+    works = [dist.broadcast(bufs[c], src=line[c], group=group, async_op=True) for c in range(n)]
+    for w in works:
+        w.wait()
+    heads = [b[:head].view(torch.int64).tolist() for b in bufs]
+    shapes = [h[3:] for h in heads]
+    errs = _Errors()
+    if problem:
+        errs.add(_ERR_LOCAL, dist.get_rank(), problem)
+    for h in heads:
+        if h[1]:
+            errs.add(_ERR_LOCAL, h[2])
+        if h[0] != heads[0][0]:
+            errs.add(_ERR_LAYOUT, min(line), f"mesh axis {axis} (ranks {line}): ranks passed DTensors with "
+                     "different global shapes, placements or dtypes to the same call")
+    extents = tuple(int(s[d]) for s in shapes)
+    if not errs.code and sum(extents) != gshape[d]:
+        errs.add(_ERR_TILING, min(line), f"<tensor>: the local shards along dim {d} add up to {sum(extents)} "
+                 f"elements, but the global shape {gshape} has {gshape[d]}")
+    errs.raise_if_any(mesh)
+    levels = [((Level(axis, extents, me),) if i == d else ()) for i in range(ndim)]
+    layout = _make_layout(gshape, local.shape, levels, dtensor.placements)
+    full = torch.empty(gshape, dtype=local.dtype, device=local.device)
+    starts = np.concatenate([[0], np.cumsum(extents)]).tolist()
+    works, copies = [], []
+    for c in range(n):
+        piece = full.narrow(d, starts[c], extents[c])
+        size = piece.numel() * local.element_size()
+        if c == me:
+            piece.copy_(local)
+            if size > cap:  # the rest of my piece follows in round two
+                rest = local.contiguous().view(-1).view(torch.uint8)[cap:]
+                works.append(dist.broadcast(rest, src=line[c], group=group, async_op=True))
+        elif size <= cap:
+            piece.copy_(bufs[c][head:head + size].view(local.dtype).view(piece.shape))
+        else:  # round two brings the bytes that did not fit
+            if piece.is_contiguous():
+                tmp = piece.view(-1).view(torch.uint8)
+            else:
+                tmp = torch.empty(size, dtype=torch.uint8, device=local.device)
+                copies.append((piece, tmp))
+            tmp[:cap].copy_(bufs[c][head:])
+            works.append(dist.broadcast(tmp[cap:], src=line[c], group=group, async_op=True))
+    for w in works:
+        w.wait()
+    for piece, tmp in copies:
+        piece.copy_(tmp.view(local.dtype).view(piece.shape))
+    return full, layout
 
 
 def _parse_chunk_info(info: Any) -> tuple[list[int], list[int]]:
@@ -769,7 +891,7 @@ def _assemble_full_tensor_from_uneven_chunks(
         raise UnevenDTensorError(f"all_chunk_info has {len(all_chunk_info)} entries for a process group of {n} ranks")
     chunks = [_parse_chunk_info(c) for c in all_chunk_info]
     own = dist.get_rank(process_group)
-    local = dtensor.to_local()
+    local = dtensor_local(dtensor)
     if tuple(chunks[own][1]) != tuple(local.shape):
         raise UnevenDTensorError(
             f"all_chunk_info[{own}] (this rank) says sizes {chunks[own][1]}, but the local shard is {tuple(local.shape)}"
@@ -815,7 +937,7 @@ def _arithmetic_layout(dtensor: DTensor) -> ChunkLayout:
     if coord is None:
         raise UnevenDTensorError(f"the calling rank {dist.get_rank()} is not in this DTensor's mesh {mesh}")
     gshape = tuple(int(s) for s in dtensor.shape)
-    local_shape = tuple(int(s) for s in dtensor.to_local().shape)
+    local_shape = tuple(int(s) for s in dtensor_local(dtensor).shape)
     orders = _dim_orders(tuple(mesh.shape), dtensor.placements, len(gshape))
     levels, lshape = [], []
     for d, g in enumerate(gshape):
