@@ -24,9 +24,23 @@ from megashard.tensors.tp_attrs import (
     set_tensor_model_parallel_attributes,
     set_tensor_parallel_mode,
 )
+from megashard.tensors.uneven import (  # noqa: E402  (builds on shape.py)
+    gather_and_compute_chunk_metadata,
+    gather_uneven_dtensor_to_full_tensor,
+    preprocess_state_dict_for_uneven_dtensor,
+    split_dtensor,
+    update_uneven_dtensor_chunk_metadata,
+    validate_uneven_dtensor,
+)
 
 __all__ = [
     "FSDP_MESH_AXES",
+    "gather_and_compute_chunk_metadata",
+    "gather_uneven_dtensor_to_full_tensor",
+    "preprocess_state_dict_for_uneven_dtensor",
+    "split_dtensor",
+    "update_uneven_dtensor_chunk_metadata",
+    "validate_uneven_dtensor",
     "ShardedFlatParameter",
     "ShardedFlatTensor",
     "ShardingSpec",
