@@ -158,3 +158,46 @@ def dtensor_local(dtensor) -> torch.Tensor:
     """
     local = getattr(dtensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else dtensor.to_local()
+
+
+# --- object collectives without numpy (all_gather_object & co., used by megashard.checkpoint, DCP) ----
+# torch's private `distributed_c10d._tensor_to_object` unpickles a received object via
+# `tensor.numpy().tobytes()`, so every object collective (and with it DCP save/load) raises "Numpy is not
+# available" when numpy is missing, although torch does not depend on numpy. megashard does not either:
+# where numpy cannot be used, that one function is replaced by a copy into a bytearray. With numpy,
+# torch's own function stays in place.
+def _numpy_usable() -> bool:
+    try:
+        torch.zeros(1).numpy()
+        return True
+    except Exception:  # noqa: BLE001 - RuntimeError("Numpy is not available"), or a broken numpy install
+        return False
+
+
+def install_numpy_free_object_collectives() -> bool:
+    """Make torch's object collectives work without numpy; True if the replacement was installed."""
+    import io
+    import pickle
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or _numpy_usable():
+        return False
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d._tensor_to_object, "_megashard_numpy_free", False):
+        return True
+
+    def _tensor_to_object(tensor, tensor_size, *args, **kwargs):
+        size = int(tensor_size)
+        buf = bytearray(size)
+        if size:
+            torch.frombuffer(buf, dtype=torch.uint8).copy_(tensor.reshape(-1)[:size].view(torch.uint8).cpu())
+        return getattr(c10d, "_unpickler", pickle.Unpickler)(io.BytesIO(buf)).load()
+
+    _tensor_to_object._megashard_numpy_free = True
+    c10d._tensor_to_object = _tensor_to_object
+    return True
+
+
+install_numpy_free_object_collectives()

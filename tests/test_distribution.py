@@ -128,6 +128,21 @@ def test_large_regimes_match_reference():
         assert distribute_shards_to_ranks(s2r, s2s, 64, set()) == _distribute_reference(s2r, s2s, 64, set())
 
 
+def test_huge_sizes_lexsort_path_and_integer_like_sizes():
+    # Sizes near 2**57 leave no room for one packed int64 key: successive stable sorts decide.
+    rng = random.Random(3)
+    s2r = {("h", (i,), None): sorted(rng.sample(range(8), rng.randint(1, 8))) for i in range(24)}
+    s2s = {k: (1 << 57) - rng.choice([0, 1, 1 << 40]) for k in s2r}
+    cross = set(list(s2r)[::5])
+    got = distribute_shards_to_ranks(s2r, s2s, 8, cross)
+    assert got == _distribute_reference(s2r, s2s, 8, cross)
+    # Integer-like sizes (bool, 0-dim integer tensors) are integers; the thread count is restored.
+    threads = torch.get_num_threads()
+    ranks = {"a": [0, 1], "b": [0, 1], "c": [1]}
+    assert distribute_shards_to_ranks(ranks, {"a": True, "b": torch.tensor(3), "c": 2}, 2) == {"a": 1, "b": 0, "c": 1}
+    assert torch.get_num_threads() == threads
+
+
 # ---------------------------------------------------------------- metadata records
 def test_sharded_tensor_ids_sizes_and_validation():
     local = torch.zeros(2, 3, dtype=torch.bfloat16)

@@ -225,3 +225,31 @@ def test_receive_buffer_for_needed_and_unneeded_shards():
     fsid = ("f", (3, 0), (2, 6))
     buf, orig = _get_empty_tensor_for_exchange(fsid, {}, {fsid: meta}, {})
     assert orig is None and buf.shape == (4,) and buf is not meta.data and fsid not in loaded
+
+
+# ---------------------------------------------------------------- object collectives without numpy
+def test_object_collectives_work_without_numpy(monkeypatch):
+    # torch unpickles received objects through numpy; megashard._compat swaps in a bytearray copy when
+    # numpy is unusable. Simulated here (numpy present), on a one-rank gloo group in this process.
+    import megashard._compat as compat
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    monkeypatch.setattr(c10d, "_tensor_to_object", c10d._tensor_to_object)  # restored after the test
+    monkeypatch.setattr(compat, "_numpy_usable", lambda: False)
+    assert compat.install_numpy_free_object_collectives() is True
+    assert c10d._tensor_to_object._megashard_numpy_free
+    monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: pytest.fail("numpy used"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        obj = {("w", (0, 4), None): [0, 1], "bytes": bytes(range(256)) * 3, "t": torch.arange(5)}
+        out = [None]
+        dist.all_gather_object(out, obj)
+        assert out[0].keys() == obj.keys() and out[0]["bytes"] == obj["bytes"]
+        assert torch.equal(out[0]["t"], obj["t"]) and out[0][("w", (0, 4), None)] == [0, 1]
+        box = ["x" * 1000]
+        dist.broadcast_object_list(box, src=0)
+        assert box == ["x" * 1000]
+    finally:
+        dist.destroy_process_group()

@@ -8,8 +8,8 @@
   exactly which global elements a rank holds; the owner of every element is checked.
 """
 import itertools
+import math
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,24 +58,30 @@ def _coords(mesh_shape):
 
 
 def _indices(runs):
-    return np.concatenate([np.arange(a, b) for a, b in runs]) if runs else np.zeros(0, dtype=np.int64)
+    return torch.cat([torch.arange(a, b) for a, b in runs]) if runs else torch.zeros(0, dtype=torch.int64)
+
+
+def _ix(*indices):
+    """numpy's ix_: index tensors shaped to select the outer product of per-dim indices."""
+    n = len(indices)
+    return tuple(t.view([-1 if j == k else 1 for j in range(n)]) for k, t in enumerate(indices))
 
 
 @pytest.mark.skipif(torch_local_shape_and_offset_at((1,), (1,), [0], [Replicate()]) is None, reason="torch lacks the plain-data helper")
 def test_every_coordinate_matches_pytorch_and_tiles_exactly():
     n_cases = n_uneven = n_empty = n_strided = 0
     for mesh_shape, gs, pl in _cases():
-        counts = np.zeros(gs, dtype=np.int64)
+        counts = torch.zeros(gs, dtype=torch.int64)
         for c in _coords(mesh_shape):
             ours = local_shape_and_offset_at(gs, mesh_shape, pl, c)
             want = torch_local_shape_and_offset_at(gs, mesh_shape, c, pl)
             assert ours == want, (mesh_shape, gs, pl, c, ours, want)
             runs = global_index_runs_at(gs, mesh_shape, pl, c)
             assert tuple(sum(b - a for a, b in r) for r in runs) == ours[0]
-            counts[np.ix_(*[_indices(r) for r in runs])] += 1
+            counts[_ix(*[_indices(r) for r in runs])] += 1
             n_empty += 0 in ours[0] and 0 not in gs
             n_strided += any(len(r) > 1 for r in runs)
-        replicas = int(np.prod([n for n, p in zip(mesh_shape, pl) if not isinstance(p, (Shard, _StridedShard))]))
+        replicas = math.prod(n for n, p in zip(mesh_shape, pl) if not isinstance(p, (Shard, _StridedShard)))
         assert (counts == replicas).all(), (mesh_shape, gs, pl, counts)
         n_cases += 1
         n_uneven += any(isinstance(p, Shard) and gs[p.dim] % n for n, p in zip(mesh_shape, pl))
@@ -185,7 +191,7 @@ def test_fake_backend_device_mesh_every_rank():
 # ------------------------------------------------------------------------------------------------
 def _global(shape):
     """Values = global flat index, so any element shows where it came from."""
-    return torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape)
+    return torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
 
 
 def _gather_owner_map(dt, world_size):
@@ -267,7 +273,7 @@ def check_local_data_equals_index_runs(rank, world_size):
         for pl in itertools.product(opts, repeat=2):
             dt = distribute_tensor(g, mesh, list(pl), src_data_rank=None)  # local split: torch 2.13 cannot scatter uneven strided shards
             runs = compute_global_index_runs(gs, mesh, list(pl))
-            idx = [torch.from_numpy(_indices(r)) for r in runs]
+            idx = [_indices(r) for r in runs]
             want = g[idx[0]][:, idx[1]]
             assert torch.equal(dt.to_local(), want), (gs, pl, runs)
             assert compute_local_shape_and_global_offset(gs, mesh, list(pl)) == \

@@ -5,7 +5,7 @@ Same names, signatures and assignments as Megatron-LM's ``dist_checkpointing.exc
 * :func:`distribute_shards_to_ranks` — the greedy balance rule (cross-group loads last, fewest holders
   first, largest first, shard id; least-loaded holder wins, ties to the lower rank). Every rank
   computes it alone and gets the same answer, so no communication is needed after the metadata
-  exchange. This implementation gives exactly Megatron's assignment with numpy sorting, bulk
+  exchange. This implementation gives exactly Megatron's assignment with int64 tensor sorting, bulk
   handling of one-holder shards and a walk over the ranks kept in load order for large holder sets,
   instead of Megatron's O(shards · ranks · holders) scan.
 * :func:`determine_main_replica_uniform_distribution` — one ``all_gather_object`` of shard metadata,
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import operator
+from array import array
 from bisect import insort
 from collections import defaultdict
+from contextlib import contextmanager
 from itertools import zip_longest
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -158,14 +159,46 @@ def _distribute_reference(
     return out
 
 
-def _tie_sorted(order: List[int], equal_next: np.ndarray, ids: List[Any]) -> bool:
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run torch's CPU ops on one thread inside the block (restored after).
+
+    The tensors here have ~10^5 elements: too few to gain from a second thread, and on a busy
+    machine OpenMP's barriers make a 100k-element argsort or max 30-100x slower than single-threaded
+    (measured: 190 ms vs 5.6 ms on 2 loaded cores). The thread count is per calling thread in
+    OpenMP builds, so other threads' work is not affected.
+    """
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
+
+
+def _int64_tensor(values: Iterable[Any]) -> Optional[torch.Tensor]:
+    """1-D CPU int64 tensor of ``values`` (non-empty) if every one is an integer, else None.
+
+    Goes through ``array('q')``, which takes anything with ``__index__`` (int, bool, numpy and 0-dim
+    torch integers) and refuses floats, strings and integers beyond int64 -- exactly the fast path's
+    domain -- and is faster than ``torch.tensor(list)``; ``frombuffer`` then shares its memory.
+    """
+    try:
+        return torch.frombuffer(array("q", values), dtype=torch.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _tie_sorted(order: List[int], equal_next: torch.Tensor, ids: List[Any]) -> bool:
     """Sort every run of positions whose numeric keys are equal by shard id, in place; True if any."""
-    idx = np.flatnonzero(equal_next)  # position p ties with p + 1
-    if idx.size == 0:
+    idx = torch.nonzero(equal_next).view(-1)  # position p ties with p + 1
+    if idx.numel() == 0:
         return False
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate(([idx[0]], idx[breaks + 1])).tolist()
-    stops = (np.concatenate((idx[breaks], [idx[-1]])) + 2).tolist()
+    breaks = torch.nonzero(torch.diff(idx) != 1).view(-1)
+    starts = torch.cat((idx[:1], idx[breaks + 1])).tolist()
+    stops = (torch.cat((idx[breaks], idx[-1:])) + 2).tolist()
     key = ids.__getitem__
     try:
         for a, b in zip(starts, stops):
@@ -179,32 +212,36 @@ def _tie_sorted(order: List[int], equal_next: np.ndarray, ids: List[Any]) -> boo
 
 
 def _greedy_order(
-    cov: np.ndarray, sizes: np.ndarray, cross: Optional[np.ndarray], ids: List[Any]
-) -> Tuple[List[int], np.ndarray]:
-    """Indices sorted by (cross, holders, -size, id), as a list and an array.
+    cov: torch.Tensor, sizes: torch.Tensor, cross: Optional[torch.Tensor], ids: List[Any]
+) -> Tuple[List[int], torch.Tensor]:
+    """Indices sorted by (cross, holders, -size, id), as a list and an int64 tensor.
 
-    Numeric keys are sorted in numpy; shard ids are compared only within runs of equal numeric keys.
+    Numeric keys are sorted as int64 tensors; shard ids are compared only within runs of equal
+    numeric keys.
     """
     max_size = int(sizes.max())
     size_bits, cov_bits = max_size.bit_length(), int(cov.max()).bit_length()
     if size_bits + cov_bits + 1 <= 62:  # one packed int64 key: a single argsort
         key = (cov << size_bits) | (max_size - sizes)
         if cross is not None:
-            key |= cross.astype(np.int64) << (size_bits + cov_bits)
-        order_np = np.argsort(key)  # ties are re-sorted by shard id below, so stability is not needed
-        ks = key[order_np]
+            key |= cross.to(torch.int64) << (size_bits + cov_bits)
+        order_t = torch.argsort(key, stable=True)  # ties are re-sorted by shard id below anyway
+        ks = key[order_t]
         equal_next = ks[1:] == ks[:-1]
     else:
-        keys = (-sizes, cov) if cross is None else (-sizes, cov, cross)
-        order_np = np.lexsort(keys)
-        equal_next = np.ones(len(order_np) - 1, dtype=bool)
+        # Successive stable sorts, least significant key first (what a lexsort does).
+        keys = (-sizes, cov) if cross is None else (-sizes, cov, cross.to(torch.int64))
+        order_t = torch.arange(len(sizes), dtype=torch.int64)
         for k in keys:
-            ks = k[order_np]
+            order_t = order_t[torch.argsort(k[order_t], stable=True)]
+        equal_next = torch.ones(len(order_t) - 1, dtype=torch.bool)
+        for k in keys:
+            ks = k[order_t]
             equal_next &= ks[1:] == ks[:-1]
-    order = order_np.tolist()
+    order = order_t.tolist()
     if _tie_sorted(order, equal_next, ids):
-        order_np = np.asarray(order, dtype=np.int64)
-    return order, order_np
+        order_t = torch.frombuffer(array("q", order), dtype=torch.int64)
+    return order, order_t
 
 
 def distribute_shards_to_ranks(
@@ -237,6 +274,17 @@ def distribute_shards_to_ranks(
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise CheckpointError(f"num_ranks={num_ranks!r} must be a positive int (the group size).")
+    with _one_intra_op_thread():
+        return _distribute_fast(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
+
+
+def _distribute_fast(
+    shard_to_ranks: Dict[T, Sequence[int]],
+    shard_to_size: Dict[T, Any],
+    num_ranks: int,
+    cross_parallelization_group_loads: Optional[Iterable[T]],
+) -> Dict[T, int]:
+    """:func:`distribute_shards_to_ranks` after the argument check (the reference for exotic input)."""
     n = len(shard_to_ranks)
     if n == 0:
         return {}
@@ -244,10 +292,10 @@ def distribute_shards_to_ranks(
     ids = list(shard_to_ranks)
     holders = list(shard_to_ranks.values())
     try:
-        cov = np.fromiter(map(len, holders), dtype=np.int64, count=n)
+        cov = torch.frombuffer(array("q", map(len, holders)), dtype=torch.int64)
     except TypeError:  # iterators without len(): materialise once
         holders = [tuple(h) for h in holders]
-        cov = np.fromiter(map(len, holders), dtype=np.int64, count=n)
+        cov = torch.frombuffer(array("q", map(len, holders)), dtype=torch.int64)
     # Same key order in both dicts (the usual case) lets us skip n hash lookups.
     if len(shard_to_size) == n and list(shard_to_size) == ids:
         size_list = list(shard_to_size.values())
@@ -259,45 +307,41 @@ def distribute_shards_to_ranks(
                 f"shard_to_size has no size for shard {e.args[0]!r}; every key of shard_to_ranks "
                 "needs a size in bytes."
             ) from None
-    try:
-        sizes = np.asarray(size_list)
-    except (OverflowError, ValueError):
-        sizes = np.asarray([], dtype=np.float64)
+    sizes = _int64_tensor(size_list)
     R = num_ranks
-    if (sizes.dtype.kind not in "iu" or int(cov.min()) == 0 or int(sizes.min()) < 0
+    if (sizes is None or int(cov.min()) == 0 or int(sizes.min()) < 0
             or int(sizes.max()) * max(R, n) >= 1 << 62):
         # Exotic input (float / negative / huge sizes, a shard with no holder): the plain rule decides.
         return _distribute_reference(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
-    sizes = sizes.astype(np.int64, copy=False)
     cross = None
     if cross_set:
         if not isinstance(cross_set, (set, frozenset, dict)):
             cross_set = set(cross_set)
-        cross = np.fromiter((k in cross_set for k in ids), dtype=bool, count=n)
-        if not cross.any():
+        cross = torch.frombuffer(array("b", [k in cross_set for k in ids]), dtype=torch.bool)
+        if not bool(cross.any()):
             cross = None
-    order, order_np = _greedy_order(cov, sizes, cross, ids)
+    order, order_t = _greedy_order(cov, sizes, cross, ids)
     try:
-        ranks = _assign(order, order_np, holders, cov, sizes, R)
+        ranks = _assign(order, order_t, holders, cov, sizes, R)
     except (IndexError, TypeError):
         ranks = None  # a holder far outside the group or not an int: let the reference explain
     if ranks is None:
         return _distribute_reference(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
     # Built in input order: the ids stay in memory order, which makes hashing them ~3x cheaper than
     # in assignment order (Megatron's dict order); the mapping itself is the same.
-    by_input = np.empty(n, dtype=np.int64)
-    by_input[order_np] = ranks
+    by_input = torch.empty(n, dtype=torch.int64)
+    by_input[order_t] = ranks
     return dict(zip(ids, by_input.tolist()))
 
 
 def _assign(
     order: List[int],
-    order_np: np.ndarray,
+    order_t: torch.Tensor,
     holders: List[Sequence[int]],
-    cov: np.ndarray,
-    sizes: np.ndarray,
+    cov: torch.Tensor,
+    sizes: torch.Tensor,
     R: int,
-) -> Optional[np.ndarray]:
+) -> Optional[torch.Tensor]:
     """Run the greedy over ``order``; returns the rank per position or None if a holder set is invalid.
 
     Loads are kept as ``enc[r] = load[r] * R + r``: one integer comparison orders by (load, rank).
@@ -312,34 +356,34 @@ def _assign(
       No per-holder-set state, so it costs the same whether sets repeat (replicas) or are all distinct.
     """
     n = len(order)
-    cov_s = cov[order_np]
-    sizes_s = sizes[order_np]
+    cov_s = cov[order_t]
+    sizes_s = sizes[order_t]
     scaled = (sizes_s * R).tolist()  # size * R: adding it to enc[r] adds size to load[r]
     hs = operator.itemgetter(*order)(holders) if n > 1 else (holders[order[0]],)
     enc = list(range(R)) + [_SENTINEL] * (2 * R)
     out: List[Any] = [None] * n
 
-    single = cov_s == 1
-    many = cov_s >= max(_WALK_MIN_HOLDERS, -(-R // 10))
+    single_t = cov_s == 1
+    many_t = cov_s >= max(_WALK_MIN_HOLDERS, -(-R // 10))
     # Stretches of one kind: single holder (-1), walk (-2), or a scan over exactly k holders (k).
-    kind = np.where(single, -1, np.where(many, -2, cov_s))
-    bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), n]
+    kind = torch.where(single_t, -1, torch.where(many_t, -2, cov_s))
+    bounds = [0, *(torch.nonzero(torch.diff(kind)).view(-1) + 1).tolist(), n]
+    kinds = kind[bounds[:-1]].tolist()  # one entry per stretch
     g = enc.__getitem__
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if single[a]:
-            firsts = np.fromiter((next(iter(h)) for h in hs[a:b]), dtype=np.int64, count=b - a)
-            if int(firsts.min()) < 0 or int(firsts.max()) >= R:
+    for a, b, k in zip(bounds[:-1], bounds[1:], kinds):
+        if k == -1:  # one holder each: no choice, add the sizes per rank in bulk
+            firsts = _int64_tensor(next(iter(h)) for h in hs[a:b])
+            if firsts is None or int(firsts.min()) < 0 or int(firsts.max()) >= R:
                 return None
-            totals = np.zeros(R, dtype=np.int64)
-            np.add.at(totals, firsts, sizes_s[a:b])
-            for r in np.flatnonzero(totals).tolist():
-                enc[r] += int(totals[r]) * R
+            totals = torch.zeros(R, dtype=torch.int64).index_add_(0, firsts, sizes_s[a:b])
+            for r, t in enumerate(totals.tolist()):
+                if t:
+                    enc[r] += t * R
             out[a:b] = firsts.tolist()
             continue
         seg: List[Any] = []
         app = seg.append
-        k = int(cov_s[a])
-        if many[a]:
+        if k == -2:
             ranked = sorted(enc[:R])  # enc values ascending = ranks in (load, rank) order
             for h, sz in zip(hs[a:b], scaled[a:b]):
                 i = 0
@@ -377,8 +421,8 @@ def _assign(
         out[a:b] = seg
     if max(enc[:R]) >= _SENTINEL:
         return None  # some shard had no holder inside the group (its minimum was a sentinel slot)
-    ranks = np.asarray(out, dtype=np.int64)
-    if int(ranks.min()) < 0 or int(ranks.max()) >= R:
+    ranks = _int64_tensor(out)
+    if ranks is None or int(ranks.min()) < 0 or int(ranks.max()) >= R:
         return None  # ... or, with two holders, both were outside it
     return ranks
 

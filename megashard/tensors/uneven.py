@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -92,7 +93,7 @@ class ChunkLayout:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.local_shape, dtype=np.int64)) if self.local_shape else 1
+        return math.prod(self.local_shape)
 
     def chunk(self) -> ChunkStorageMetadata:
         """This rank's chunk as DCP describes it (offsets with PyTorch's empty-shard convention)."""
@@ -178,7 +179,7 @@ class _Work:
         self.lshape = tuple(int(s) for s in dtensor_local(dtensor).shape)
         self.orders = _dim_orders(mesh_shape, dtensor.placements, len(self.gshape))
         lsh = self.lshape if len(self.lshape) == len(self.gshape) else (0,) * len(self.gshape)
-        self.tab = {d: np.array(lsh[d], dtype=np.int64) for d in sorted(self.orders)}
+        self.tab = {d: torch.tensor(lsh[d], dtype=torch.int64) for d in sorted(self.orders)}  # CPU int64
         self.tab_axes: dict[int, list[int]] = {d: [] for d in self.orders}
         self.todo = {d: len(a) for d, a in self.orders.items()}
         self.levels: dict[int, list[Level]] = {d: [] for d in self.orders}
@@ -192,22 +193,23 @@ class _Work:
                         f"must span all {g} elements of it, but it has {n}")
         return None
 
-    def payload(self) -> np.ndarray:
-        parts = [self.tab[d].ravel() for d in self.tab]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def payload(self) -> torch.Tensor:
+        """Every table flattened into one 1-D CPU int64 tensor."""
+        parts = [self.tab[d].reshape(-1) for d in self.tab]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def absorb(self, axis: int, rows: Sequence[np.ndarray], coord: Sequence[int]) -> Optional[str]:
+    def absorb(self, axis: int, rows: Sequence[torch.Tensor], coord: Sequence[int]) -> Optional[str]:
         """Fold the peers' payloads (one row per coordinate on ``axis``) into the tables."""
         pos, problem = 0, None
         for d in self.tab:
-            size = self.tab[d].size
+            size = self.tab[d].numel()
             vals = [row[pos:pos + size].reshape(self.tab[d].shape) for row in rows]
             pos += size
             if axis in self.orders[d]:
-                self.tab[d] = np.stack(vals, axis=-1)
+                self.tab[d] = torch.stack(vals, dim=-1)
                 self.tab_axes[d].append(axis)
                 self._collapse(d, coord)
-            elif problem is None and any(not np.array_equal(v, vals[0]) for v in vals):
+            elif problem is None and any(not torch.equal(v, vals[0]) for v in vals):
                 problem = (f"{self.key}: dim {d} is not split by mesh axis {axis}, yet the ranks along that axis "
                            f"hold different extents of it: {[v.tolist() for v in vals]}")
         return problem
@@ -218,9 +220,9 @@ class _Work:
             s = order[self.todo[d] - 1]
             pos = axes.index(s)
             index = tuple(slice(None) if i == pos else coord[a] for i, a in enumerate(axes))
-            extents = tuple(int(x) for x in self.tab[d][index])
+            extents = tuple(self.tab[d][index].tolist())
             self.levels[d].append(Level(s, extents, int(coord[s])))
-            self.tab[d] = self.tab[d].sum(axis=pos)
+            self.tab[d] = self.tab[d].sum(dim=pos)
             axes.pop(pos)
             self.todo[d] -= 1
 
@@ -246,12 +248,12 @@ def _comm_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type)
 
 
-def _all_gather_rows(vec: np.ndarray, group, group_ranks: Sequence[int], device) -> list[np.ndarray]:
-    """All-gather one int64 vector per rank of ``group``; rows returned in mesh-coordinate order."""
-    t = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.int64)).to(device)
+def _all_gather_rows(vec: torch.Tensor, group, group_ranks: Sequence[int], device) -> list[torch.Tensor]:
+    """All-gather one 1-D int64 vector per rank of ``group``; CPU rows returned in mesh-coordinate order."""
+    t = vec.to(device=device, dtype=torch.int64).contiguous()
     outs = [torch.empty_like(t) for _ in group_ranks]
     dist.all_gather(outs, t, group=group)
-    return [outs[g].cpu().numpy() for g in group_ranks]
+    return [outs[g].cpu() for g in group_ranks]
 
 
 def _summaries(items: Sequence[tuple[str, DTensor]]) -> list[tuple]:
@@ -333,12 +335,12 @@ def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, D
         group, line, granks = _axis_peers(mesh, axis, coord)
         if check_peers:
             payloads = [w.payload() for w in works] if not errs.code else []
-            length = int(sum(p.size for p in payloads))
-            header = np.array([len(items), fp_keys, fp_layout, length, errs.code, errs.rank], dtype=np.int64)
-            heads = _all_gather_rows(header, group, granks, device)
+            length = sum(p.numel() for p in payloads)
+            header = torch.tensor([len(items), fp_keys, fp_layout, length, errs.code, errs.rank], dtype=torch.int64)
+            heads = [h.tolist() for h in _all_gather_rows(header, group, granks, device)]
             for h in heads:
-                errs.add(int(h[4]), int(h[5]))
-            if not errs.code and any(not np.array_equal(h[:4], heads[0][:4]) for h in heads):
+                errs.add(h[4], h[5])
+            if not errs.code and any(h[:4] != heads[0][:4] for h in heads):
                 # Every rank of this group sees the same headers, so all of them take this extra step.
                 summaries: list[Any] = [None] * n
                 dist.all_gather_object(summaries, summary, group=group)
@@ -347,22 +349,23 @@ def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, D
                          f"mesh axis {axis} (ranks {line}): " + _describe_mismatch([summaries[g] for g in granks], line))
             if errs.code:
                 continue
-            flat = np.concatenate(payloads) if payloads else np.zeros(0, np.int64)
+            flat = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.int64)
             rows = _all_gather_rows(flat, group, granks, device) if length else [flat] * n
         else:
             payloads = [w.payload() for w in works]
-            vec = np.concatenate([np.array([fp_layout, errs.code, errs.rank], np.int64)] + payloads)
+            vec = torch.cat([torch.tensor([fp_layout, errs.code, errs.rank], dtype=torch.int64)] + payloads)
             full = _all_gather_rows(vec, group, granks, device)
-            for r in full:
-                errs.add(int(r[1]), int(r[2]))
-            if any(r[0] != full[0][0] for r in full):
+            heads = [r[:3].tolist() for r in full]
+            for h in heads:
+                errs.add(h[1], h[2])
+            if any(h[0] != heads[0][0] for h in heads):
                 errs.add(_ERR_LAYOUT, min(line), f"mesh axis {axis} (ranks {line}): ranks passed DTensors with "
                          "different global shapes, placements or dtypes to the same call")
             rows = [r[3:] for r in full]
         pos = 0
         for w, p in zip(works, payloads):
-            problem = w.absorb(axis, [r[pos:pos + p.size] for r in rows], coord)
-            pos += p.size
+            problem = w.absorb(axis, [r[pos:pos + p.numel()] for r in rows], coord)
+            pos += p.numel()
             if problem:
                 errs.add(_ERR_TILING, min(line), problem)
 
@@ -792,7 +795,7 @@ def _eager_gather_1d(dtensor: DTensor) -> Optional[tuple[torch.Tensor, ChunkLayo
     d = _dim_orders(tuple(mesh.shape), dtensor.placements, ndim)
     (d, _), = d.items()
     local = dtensor_local(dtensor)
-    row = int(np.prod([g for i, g in enumerate(gshape) if i != d], dtype=np.int64)) * local.element_size()
+    row = math.prod(g for i, g in enumerate(gshape) if i != d) * local.element_size()
     cap = int(-(-gshape[d] // n) * _EAGER_SLACK + 1) * row
     if cap > _EAGER_CAP:
         return None
@@ -833,7 +836,7 @@ def _eager_gather_1d(dtensor: DTensor) -> Optional[tuple[torch.Tensor, ChunkLayo
     levels = [((Level(axis, extents, me),) if i == d else ()) for i in range(ndim)]
     layout = _make_layout(gshape, local.shape, levels, dtensor.placements)
     full = torch.empty(gshape, dtype=local.dtype, device=local.device)
-    starts = np.concatenate([[0], np.cumsum(extents)]).tolist()
+    starts = [0, *accumulate(extents)]
     works, copies = [], []
     for c in range(n):
         piece = full.narrow(d, starts[c], extents[c])
@@ -967,7 +970,7 @@ def _piece_layout(layout: ChunkLayout, dim: int, a: int, size: int) -> tuple[Chu
     lo, hi = 0, layout.global_shape[dim]
     new = []
     for lv in layout.levels[dim]:
-        starts = np.concatenate([[lo], lo + np.cumsum(lv.extents)])
+        starts = list(accumulate(lv.extents, initial=lo))
         ext = tuple(max(0, min(int(starts[c + 1]), b) - max(int(starts[c]), a)) for c in range(len(lv.extents)))
         new.append(Level(lv.axis, ext, lv.index))
         lo, hi = int(starts[lv.index]), int(starts[lv.index + 1])
