@@ -132,6 +132,9 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
         # (pytorch/pytorch#135712). A store per attempt makes max_restarts work.
         child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if "PYTHONWARNINGS" not in env:
+        # torch warns at import when numpy is absent; megashard does not need numpy, so keep the log clean.
+        child_env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy"
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
     return LaunchPlan(job, path, torchrun_command(job, path), child_env, notes)
