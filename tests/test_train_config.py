@@ -124,7 +124,9 @@ def test_single_node_command_is_torchrun_standalone():
         "--monitor-interval", "0.5", "-m", "megashard.train.worker", "runs/default/config.yaml", "--name", "default",
     ]
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p.env["OMP_NUM_THREADS"] >= "1"
-    assert plan_launch(DEFAULT, [], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "OMP_NUM_THREADS": "3"}).env == {}
+    assert p.env["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy"
+    user_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "OMP_NUM_THREADS": "3", "PYTHONWARNINGS": "default"}
+    assert plan_launch(DEFAULT, [], env=user_env).env == {}  # the user's own settings win
 
 
 def test_multi_node_needs_an_endpoint_and_passes_rendezvous_options():
