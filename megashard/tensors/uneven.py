@@ -166,9 +166,11 @@ def _dim_orders_cached(mesh_shape: tuple, placements: tuple, ndim: int) -> tuple
 class _Work:
     """Per-tensor state of the exchange: a table of extents per sharded dim, collapsed level by level.
 
-    ``tab[d]`` has one array axis per processed, not yet collapsed mesh axis in ``tab_axes[d]``
-    (other coordinates are the caller's own). A level collapses as soon as it and every level inside
-    it are known: its sibling extents become a :class:`Level` and the table is summed over it.
+    ``tab[d]`` is a row-major table ``(flat values, shape)`` with one axis per processed, not yet
+    collapsed mesh axis in ``tab_axes[d]`` (other coordinates are the caller's own). A level collapses
+    as soon as it and every level inside it are known: its sibling extents become a :class:`Level` and
+    the table is summed over it. Plain Python ints: the tables have a few entries each, where a tensor
+    (or array) op per step would cost more than the arithmetic.
     """
 
     __slots__ = ("key", "dtensor", "gshape", "lshape", "orders", "tab", "tab_axes", "todo", "levels")
@@ -179,7 +181,7 @@ class _Work:
         self.lshape = tuple(int(s) for s in dtensor_local(dtensor).shape)
         self.orders = _dim_orders(mesh_shape, dtensor.placements, len(self.gshape))
         lsh = self.lshape if len(self.lshape) == len(self.gshape) else (0,) * len(self.gshape)
-        self.tab = {d: torch.tensor(lsh[d], dtype=torch.int64) for d in sorted(self.orders)}  # CPU int64
+        self.tab: dict[int, tuple[list[int], list[int]]] = {d: ([lsh[d]], []) for d in sorted(self.orders)}
         self.tab_axes: dict[int, list[int]] = {d: [] for d in self.orders}
         self.todo = {d: len(a) for d, a in self.orders.items()}
         self.levels: dict[int, list[Level]] = {d: [] for d in self.orders}
@@ -193,47 +195,60 @@ class _Work:
                         f"must span all {g} elements of it, but it has {n}")
         return None
 
-    def payload(self) -> torch.Tensor:
-        """Every table flattened into one 1-D CPU int64 tensor."""
-        parts = [self.tab[d].reshape(-1) for d in self.tab]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    def payload(self) -> list[int]:
+        """Every table's values, flattened into one list (what this rank sends)."""
+        return [v for flat, _ in self.tab.values() for v in flat]
 
-    def absorb(self, axis: int, rows: Sequence[torch.Tensor], coord: Sequence[int]) -> Optional[str]:
+    def absorb(self, axis: int, rows: Sequence[Sequence[int]], coord: Sequence[int]) -> Optional[str]:
         """Fold the peers' payloads (one row per coordinate on ``axis``) into the tables."""
         pos, problem = 0, None
-        for d in self.tab:
-            size = self.tab[d].numel()
-            vals = [row[pos:pos + size].reshape(self.tab[d].shape) for row in rows]
+        for d, (flat, shape) in self.tab.items():
+            size = len(flat)
+            vals = [list(row[pos:pos + size]) for row in rows]
             pos += size
             if axis in self.orders[d]:
-                self.tab[d] = torch.stack(vals, dim=-1)
+                # Stack along a new last table axis: element (i, j) = row j's value i.
+                self.tab[d] = ([v for col in zip(*vals) for v in col], shape + [len(vals)])
                 self.tab_axes[d].append(axis)
                 self._collapse(d, coord)
-            elif problem is None and any(not torch.equal(v, vals[0]) for v in vals):
+            elif problem is None and any(v != vals[0] for v in vals):
                 problem = (f"{self.key}: dim {d} is not split by mesh axis {axis}, yet the ranks along that axis "
-                           f"hold different extents of it: {[v.tolist() for v in vals]}")
+                           f"hold different extents of it: {[_nested(v, shape) for v in vals]}")
         return problem
 
     def _collapse(self, d: int, coord: Sequence[int]) -> None:
         order, axes = self.orders[d], self.tab_axes[d]
+        flat, shape = self.tab[d]
         while self.todo[d] and order[self.todo[d] - 1] in axes:
             s = order[self.todo[d] - 1]
             pos = axes.index(s)
-            index = tuple(slice(None) if i == pos else coord[a] for i, a in enumerate(axes))
-            extents = tuple(self.tab[d][index].tolist())
-            self.levels[d].append(Level(s, extents, int(coord[s])))
-            self.tab[d] = self.tab[d].sum(dim=pos)
+            strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+            base = sum(coord[a] * strides[i] for i, a in enumerate(axes) if i != pos)
+            m, post = shape[pos], strides[pos]
+            self.levels[d].append(Level(s, tuple(flat[base + k * post] for k in range(m)), int(coord[s])))
+            flat = [sum(flat[(p * m + k) * post + q] for k in range(m))
+                    for p in range(math.prod(shape[:pos])) for q in range(post)]
+            shape = shape[:pos] + shape[pos + 1:]
             axes.pop(pos)
             self.todo[d] -= 1
+        self.tab[d] = (flat, shape)
 
     def finish(self) -> tuple[Optional[ChunkLayout], Optional[str]]:
-        for d in self.tab:
-            total = int(self.tab[d])
+        for d, (flat, _) in self.tab.items():
+            total = flat[0]  # every level has collapsed: one value left
             if total != self.gshape[d]:
                 return None, (f"{self.key}: the local shards along dim {d} add up to {total} elements, but the "
                               f"global shape {self.gshape} has {self.gshape[d]}")
         levels = [tuple(reversed(self.levels[d])) if d in self.levels else () for d in range(len(self.gshape))]
         return _make_layout(self.gshape, self.lshape, levels, self.dtensor.placements), None
+
+
+def _nested(flat: Sequence[int], shape: Sequence[int]) -> Any:
+    """A row-major flat list as nested lists of ``shape`` (a scalar for ``()``), for messages."""
+    if not shape:
+        return flat[0]
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def _axis_peers(mesh: DeviceMesh, axis: int, coord: Sequence[int]):
@@ -248,12 +263,12 @@ def _comm_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type)
 
 
-def _all_gather_rows(vec: torch.Tensor, group, group_ranks: Sequence[int], device) -> list[torch.Tensor]:
-    """All-gather one 1-D int64 vector per rank of ``group``; CPU rows returned in mesh-coordinate order."""
-    t = vec.to(device=device, dtype=torch.int64).contiguous()
+def _all_gather_rows(vec: Sequence[int], group, group_ranks: Sequence[int], device) -> list[list[int]]:
+    """All-gather one int64 vector per rank of ``group`` (same length everywhere); rows in mesh-coordinate order."""
+    t = torch.tensor(vec, dtype=torch.int64, device=device)
     outs = [torch.empty_like(t) for _ in group_ranks]
     dist.all_gather(outs, t, group=group)
-    return [outs[g].cpu() for g in group_ranks]
+    return [outs[g].tolist() for g in group_ranks]
 
 
 def _summaries(items: Sequence[tuple[str, DTensor]]) -> list[tuple]:
@@ -335,9 +350,9 @@ def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, D
         group, line, granks = _axis_peers(mesh, axis, coord)
         if check_peers:
             payloads = [w.payload() for w in works] if not errs.code else []
-            length = sum(p.numel() for p in payloads)
-            header = torch.tensor([len(items), fp_keys, fp_layout, length, errs.code, errs.rank], dtype=torch.int64)
-            heads = [h.tolist() for h in _all_gather_rows(header, group, granks, device)]
+            length = sum(len(p) for p in payloads)
+            header = [len(items), fp_keys, fp_layout, length, errs.code, errs.rank]
+            heads = _all_gather_rows(header, group, granks, device)
             for h in heads:
                 errs.add(h[4], h[5])
             if not errs.code and any(h[:4] != heads[0][:4] for h in heads):
@@ -349,23 +364,22 @@ def _exchange(mesh: DeviceMesh, works: list[_Work], items: Sequence[tuple[str, D
                          f"mesh axis {axis} (ranks {line}): " + _describe_mismatch([summaries[g] for g in granks], line))
             if errs.code:
                 continue
-            flat = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.int64)
+            flat = [v for p in payloads for v in p]
             rows = _all_gather_rows(flat, group, granks, device) if length else [flat] * n
         else:
             payloads = [w.payload() for w in works]
-            vec = torch.cat([torch.tensor([fp_layout, errs.code, errs.rank], dtype=torch.int64)] + payloads)
+            vec = [fp_layout, errs.code, errs.rank] + [v for p in payloads for v in p]
             full = _all_gather_rows(vec, group, granks, device)
-            heads = [r[:3].tolist() for r in full]
-            for h in heads:
-                errs.add(h[1], h[2])
-            if any(h[0] != heads[0][0] for h in heads):
+            for r in full:
+                errs.add(r[1], r[2])
+            if any(r[0] != full[0][0] for r in full):
                 errs.add(_ERR_LAYOUT, min(line), f"mesh axis {axis} (ranks {line}): ranks passed DTensors with "
                          "different global shapes, placements or dtypes to the same call")
             rows = [r[3:] for r in full]
         pos = 0
         for w, p in zip(works, payloads):
-            problem = w.absorb(axis, [r[pos:pos + p.numel()] for r in rows], coord)
-            pos += p.numel()
+            problem = w.absorb(axis, [r[pos:pos + len(p)] for r in rows], coord)
+            pos += len(p)
             if problem:
                 errs.add(_ERR_TILING, min(line), problem)
 
@@ -792,8 +806,10 @@ def _eager_gather_1d(dtensor: DTensor) -> Optional[tuple[torch.Tensor, ChunkLayo
     axis, n = axes[0], mesh.size(axes[0])
     gshape = tuple(int(x) for x in dtensor.shape)
     ndim = len(gshape)
-    d = _dim_orders(tuple(mesh.shape), dtensor.placements, ndim)
-    (d, _), = d.items()
+    orders = _dim_orders(tuple(mesh.shape), dtensor.placements, ndim)
+    if list(orders.values()) != [[axis]]:  # a size-1 axis also shards some dim: the general path knows how
+        return None
+    (d, _), = orders.items()
     local = dtensor_local(dtensor)
     row = math.prod(g for i, g in enumerate(gshape) if i != d) * local.element_size()
     cap = int(-(-gshape[d] // n) * _EAGER_SLACK + 1) * row
