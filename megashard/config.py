@@ -77,16 +77,10 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "parallel") -> "ParallelConfig":
         """Build from a mapping, rejecting unknown keys with a "did you mean"."""
+        from megashard.yamlcfg import reject_unknown_keys
+
         data = dict(data or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in data if k not in names]
-        if unknown:
-            msgs = []
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), names, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                msgs.append(f"'{where}.{k}'{hint}")
-            raise ConfigError(f"unknown config key(s): {', '.join(msgs)}; valid keys: {', '.join(names)}")
+        reject_unknown_keys(cls, data, where)
         cfg = cls(**data)
         cfg.validate()
         return cfg

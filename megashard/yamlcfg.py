@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -54,3 +56,15 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
             node = nxt
         node[parts[-1]] = value
     return out
+
+
+def reject_unknown_keys(cls: type, data: Mapping[str, Any], section: str) -> None:
+    """Raise ConfigError naming every key of ``data`` that is not a field of dataclass ``cls``, with a "did you mean"."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        msgs = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            msgs.append(f"'{section}.{k}'" + (f" (did you mean '{section}.{close[0]}'?)" if close else ""))
+        raise ConfigError(f"unknown config key(s): {', '.join(msgs)}; valid keys of '{section}': {', '.join(names)}")

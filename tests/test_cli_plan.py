@@ -201,7 +201,7 @@ def test_overrides_change_the_plan(capsys):
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("argv,message", [
     (["-w", "16", "parallel.tp=3"], "tp·cp·pp·dp_outer·dp_shard = 3·1·1·1·2 = 6 must equal the world size 16"),
-    (["parallel.tpp=2"], "'parallel.tpp' (did you mean 'tp'?)"),
+    (["parallel.tpp=2"], "'parallel.tpp' (did you mean 'parallel.tp'?)"),
     (["--rank", "4"], "rank 4 is outside the world of 4 ranks (valid: 0..3)"),
     (["--groups", "tp,dp_shrd"], "unknown group 'dp_shrd' (did you mean 'dp_shard'?)"),
     (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be a positive integer"),

@@ -98,9 +98,9 @@ def test_validate_errors(kw, regex):
 
 
 def test_unknown_key_did_you_mean():
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\): 'parallel.tensor_parallel'|'parallel.dp_outter' \(did you mean 'dp_outer'\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): 'parallel.tensor_parallel'|'parallel.dp_outter' \(did you mean 'parallel.dp_outer'\?\)"):
         ParallelConfig.from_dict({"dp_outter": 2})
-    with pytest.raises(ConfigError, match=r"'parallel.expt_pt' \(did you mean 'expt_tp'\?\)"):
+    with pytest.raises(ConfigError, match=r"'parallel.expt_pt' \(did you mean 'parallel.expt_tp'\?\)"):
         ParallelConfig.from_dict({"expt_pt": 2})
 
 
@@ -110,7 +110,7 @@ def test_yaml_and_overrides(tmp_path):
     cfg = ParallelConfig.from_yaml(str(p), ["parallel.tp=4", "parallel.order=tp-dp-pp"])
     assert cfg.tp == 4 and cfg.order == "tp-dp-pp"
     assert cfg.resolve(8).dp == 2
-    with pytest.raises(ConfigError, match=r"'parallel.tpp' \(did you mean 'tp'\?\)"):
+    with pytest.raises(ConfigError, match=r"'parallel.tpp' \(did you mean 'parallel.tp'\?\)"):
         ParallelConfig.from_yaml(str(p), ["parallel.tpp=4"])
     assert apply_overrides({"a": {"b": 1}}, ["a.c=[1, 2]", "d.e=null"]) == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": None}}
 

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError
+from megashard.yamlcfg import reject_unknown_keys
 
 DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text")
@@ -214,14 +215,7 @@ def section_from_dict(cls: type, data: Optional[Mapping[str, Any]], section: str
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"section '{section}' must be a mapping of keys, got {type(data).__name__} {data!r}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        msgs = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), names, n=1)
-            msgs.append(f"'{section}.{k}'" + (f" (did you mean '{section}.{close[0]}'?)" if close else ""))
-        raise ConfigError(f"unknown config key(s): {', '.join(msgs)}; valid keys of '{section}': {', '.join(names)}")
+    reject_unknown_keys(cls, data, section)
     return cls(**{k: _check_type(cls, section, k, v) for k, v in data.items()})
 
 
