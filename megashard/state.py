@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,10 @@ VIEW_AXES: dict[str, tuple[str, ...]] = {
     # The expert view that FSDPDistributedIndex expects: FSDP over expt_dp, TP over expt_tp.
     "expert_fsdp": ("pp", "ep", "expt_dp", "expt_tp"),
 }
+# Axis names of each view: the group names, except that the expert FSDP view uses the dense names
+# FSDPDistributedIndex looks up (expt_dp plays dp_shard_cp, expt_tp plays tp).
 _VIEW_DIM_NAMES: dict[str, tuple[str, ...]] = {
-    "dense": DENSE_MESH_AXES,
-    "expert": EXPERT_MESH_AXES,
-    "fsdp": ("pp", "dp_outer", "dp_shard_cp", "tp"),
-    "expert_fsdp": ("pp", "ep", "dp_shard_cp", "tp"),
+    **VIEW_AXES, "expert_fsdp": ("pp", "ep", "dp_shard_cp", "tp"),
 }
 
 
@@ -374,18 +373,9 @@ def destroy() -> None:
     state, _CURRENT = _CURRENT, None
     if state is not None:
         state.destroy()
-    for mod, hook in (("megashard.random", "_reset_for_destroy"), ("megashard.memory", "_reset_for_destroy")):
-        import importlib
-        import sys
+    # Per-rank state lives in modules that may never have been imported: nothing to reset there.
+    import sys
 
-        if mod in sys.modules or _module_exists(mod):
-            m = importlib.import_module(mod)
-            fn = getattr(m, hook, None)
-            if fn is not None:
-                fn()
-
-
-def _module_exists(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
+    for mod in ("megashard.random", "megashard.memory"):
+        if mod in sys.modules:
+            sys.modules[mod]._reset_for_destroy()
