@@ -9,8 +9,16 @@ class ConfigError(MegashardError, ValueError):
     """A parallel config is invalid: the message names the fields, their values, the rule and legal values."""
 
 
+class RankMismatchError(ConfigError):
+    """Ranks of one job disagree on their config, megashard version or torch version (names ranks and fields)."""
+
+
 class StateError(MegashardError, RuntimeError):
     """Parallel state used before initialisation, twice, or after teardown."""
+
+
+class CheckpointLockedError(MegashardError, RuntimeError):
+    """Another live job holds the checkpoint directory (the message names its host and pid and what to do)."""
 
 
 class TransformerEngineMissingError(MegashardError, ImportError):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -115,15 +115,26 @@ class ParallelState:
     Args:
         config: the parallel config; sizes are resolved against the default group's world size.
         device_type: device of the meshes (``"cpu"``/``"cuda"``); default from ``config.device``.
+        agree_on: more fields every rank must agree on (e.g. the rest of a job config, as dotted keys),
+            compared together with ``config`` and the megashard and torch versions.
+
+    Creation is collective: first every rank checks, in one small collective on the default group with
+    ``config.timeout``, that its config and versions equal rank 0's (:mod:`megashard.agreement`; a
+    difference raises :class:`~megashard.errors.RankMismatchError` on every rank, naming ranks and fields),
+    then it creates the groups it belongs to.
     """
 
-    def __init__(self, config: ParallelConfig, *, device_type: str | None = None):
+    def __init__(self, config: ParallelConfig, *, device_type: str | None = None,
+                 agree_on: Mapping[str, Any] | None = None):
         if not dist.is_initialized():
             raise StateError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group (or "
                 "megashard.state.init_distributed(config)) before creating a ParallelState"
             )
-        config.validate()
+        from megashard.agreement import check_ranks_agree, fingerprint
+
+        config.validate()  # world-independent checks; the sizes are resolved after the ranks agree
+        check_ranks_agree(fingerprint(config, agree_on), timeout=config.timeout)
         self.config = config
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
@@ -328,10 +339,12 @@ class ParallelState:
 _CURRENT: ParallelState | None = None
 
 
-def initialize(config: ParallelConfig | None = None, **sizes: Any) -> ParallelState:
+def initialize(config: ParallelConfig | None = None, *, agree_on: Mapping[str, Any] | None = None,
+               **sizes: Any) -> ParallelState:
     """Create the current :class:`ParallelState` (initialising torch.distributed from the environment if needed).
 
-    ``initialize(ParallelConfig(tp=2))`` or ``initialize(tp=2, pp=2)``.
+    ``initialize(ParallelConfig(tp=2))`` or ``initialize(tp=2, pp=2)``. ``agree_on``: more fields every
+    rank must agree on (see :class:`ParallelState`).
     """
     global _CURRENT
     if config is None:
@@ -344,7 +357,7 @@ def initialize(config: ParallelConfig | None = None, **sizes: Any) -> ParallelSt
             "ParallelState and create another one directly with ParallelState(config))"
         )
     init_distributed(config)
-    state = ParallelState(config)
+    state = ParallelState(config, agree_on=agree_on)
     _CURRENT = state
     return state
 

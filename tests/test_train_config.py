@@ -120,7 +120,7 @@ def test_single_node_command_is_torchrun_standalone():
 
     p = plan_launch(DEFAULT, ["train.steps=3"], env={})
     assert p.command == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
+        sys.executable, "-m", "megashard.train.agent", "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
         "--monitor-interval", "0.5", "-m", "megashard.train.worker", "runs/default/config.yaml", "--name", "default",
     ]
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p.env["OMP_NUM_THREADS"] >= "1"
@@ -190,7 +190,7 @@ def test_cli_dry_run_prints_the_command(capsys):
     assert cli.main(["run", DEFAULT, "train.steps=3", "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert out.strip().endswith("-m megashard.train.worker runs/default/config.yaml --name default")
-    assert "torch.distributed.run --standalone --nproc-per-node 4" in out
+    assert "megashard.train.agent --standalone --nproc-per-node 4" in out
     assert "4 processes (1 node(s) × 4), tp=2, dp_shard=2, 3 steps" in err
 
 

@@ -6,15 +6,23 @@ Two real launches of the default config (4 gloo processes each) from the reposit
   temporary directory, a checkpoint every 2 steps);
 * the same with ``train.fail_at_step=4 train.fail_rank=1``: rank 1 exits after step 4 (before that
   step's checkpoint), torchrun (``launch.max_restarts: 1`` in default.yaml) restarts all workers, they
-  resume from step 2 and finish. Its metrics and final parameters must equal the uninterrupted run's.
+  resume from step 2 and finish. Its metrics and final parameters must equal the uninterrupted run's,
+  and its output says so in one line (no tracebacks of the ranks that lost their peers).
+
+And the process hygiene of ``megashard run``: SIGKILL to the launcher's process group leaves no worker and
+no torchrun behind; the run's checkpoint-directory lock, left behind by the killed launcher, is taken over
+by the next run with a note and released at its end; a directory a live job holds is refused before
+anything starts.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -76,6 +84,13 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     assert fault.returncode == 0, _explain(fault)
     assert "rank 1: injected failure after step 4" in fault.stderr, _explain(fault)
     assert "resumed from" in fault.stderr and "step_00000002 (step 2)" in fault.stderr, _explain(fault)
+    # The surviving ranks' broken connections and torchrun's own logs are one line, not ~70 of tracebacks.
+    assert ("megashard run: rank 1 failed (exit code 1); the other ranks lost their peers; torchrun restarts the "
+            "job from the newest checkpoint (restart 1 of 1)\n") in fault.stderr, _explain(fault)
+    assert "Traceback" not in fault.stderr and "Connection" not in fault.stderr, _explain(fault)
+    assert "closing signal" not in fault.stderr and "torchrun:" not in fault.stderr, _explain(fault)
+    assert len(fault.stderr.splitlines()) <= 20, _explain(fault)
+    assert "torchrun:" not in plain.stderr and "Traceback" not in plain.stderr, _explain(plain)
     want = read_metrics(os.path.join(tmp, "plain", "metrics.jsonl"))
     got = read_metrics(os.path.join(tmp, "fault", "metrics.jsonl"))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # steps 3-4 of the failed attempt were dropped
@@ -101,3 +116,93 @@ def test_bad_config_fails_before_any_process_starts(monkeypatch, capsys):
     assert "model.hidden=64 must divide by model.heads=3" in capsys.readouterr().err
     assert cli.main(["run", os.path.join(ROOT, "configs/default.yaml"), "trian.steps=3"]) == 2
     assert "did you mean 'train'" in capsys.readouterr().err
+
+
+def test_a_failure_without_restarts_is_reported_in_two_lines(tmp_path):
+    p = _run(["train.steps=3", "train.fail_at_step=1", "train.fail_rank=2", "launch.max_restarts=0",
+              f"train.out_dir={tmp_path}", "train.plot=false", "train.progress=false"])
+    assert p.returncode == 1, _explain(p)
+    assert "megashard run: rank 2 failed (exit code 1); no restarts (launch.max_restarts=0)\n" in p.stderr, _explain(p)
+    assert (f"megashard run: the job failed (torchrun exit code 1); rerun the same command to resume from the newest "
+            f"checkpoint in {tmp_path}/checkpoints\n") in p.stderr, _explain(p)
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, _explain(p)
+    assert len([ln for ln in p.stderr.splitlines() if ln.strip()]) == 4, _explain(p)  # header, rank 2's own line, these two
+
+
+# ---------------------------------------------------------------------------------------------- process hygiene
+def _processes_with(marker: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains ``marker`` (zombies are dead)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if marker in cmd and not zombie:
+            found.append((int(pid), cmd[:160]))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
+def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_lock(tmp_path):
+    from megashard.train.ckptlock import LOCK_NAME, read_holder
+
+    out = str(tmp_path / "killed")  # unique: in the command line of the launcher, torchrun and every worker
+    args = ["train.steps=100000", f"train.out_dir={out}", "checkpoint.interval=0", "checkpoint.save_final=false",
+            "train.plot=false", "train.progress=false"]
+    launcher = subprocess.Popen(_megashard() + ["run", "configs/default.yaml"] + args, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    try:
+        deadline = time.monotonic() + 300
+        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):  # rank 0 finished a step
+            assert launcher.poll() is None, launcher.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        running = _processes_with(out)
+        assert len(running) == 6, running  # megashard run, torchrun (megashard.train.agent), 4 workers
+        os.killpg(launcher.pid, signal.SIGKILL)  # torchrun starts its workers in sessions of their own
+        launcher.wait()
+        t0 = time.monotonic()
+        while _processes_with(out) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert _processes_with(out) == [], f"still running {time.monotonic() - t0:.1f} s after the kill"
+    finally:
+        for pid, _ in _processes_with(out):
+            os.kill(pid, signal.SIGKILL)
+        launcher.stderr.close()
+    ckpt = os.path.join(out, "checkpoints")
+    dead = read_holder(ckpt)
+    assert dead is not None and dead.pid == launcher.pid and dead.owner == "launcher"
+    again = _run(["train.steps=2", f"train.out_dir={out}", "train.plot=false"])
+    assert again.returncode == 0, _explain(again)
+    assert (f"megashard run: note: took over the lock of {ckpt} from job 'default' on host {dead.host} "
+            f"(pid {launcher.pid}, since ") in again.stderr and "): its process is gone\n" in again.stderr, _explain(again)
+    assert not os.path.exists(os.path.join(ckpt, LOCK_NAME))  # released at the end
+    assert sorted(os.listdir(ckpt)) == ["step_00000002"]
+
+
+def test_a_checkpoint_directory_held_by_a_live_job_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from megashard import cli
+    from megashard.train.ckptlock import CheckpointLock
+
+    def no_launch(*a, **k):  # pragma: no cover - reached only if the lock let the run through
+        raise AssertionError("torchrun was started although another job holds the checkpoint directory")
+
+    out = str(tmp_path / "busy")
+    held = CheckpointLock.acquire(os.path.join(out, "checkpoints"), job="other", job_id="other-job", owner="launcher")
+    try:
+        monkeypatch.setattr(subprocess, "run", no_launch)
+        assert cli.main(["run", os.path.join(ROOT, "configs/default.yaml"), f"train.out_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"megashard run: error: checkpoint directory {out}/checkpoints is in use by job 'other' on host "), err
+        assert f"(pid {os.getpid()}, since " in err and "delete " in err, err
+        assert sorted(os.listdir(out)) == ["checkpoints"]  # no config.yaml written
+        # --dry-run starts nothing and is not refused
+        assert cli.main(["run", os.path.join(ROOT, "configs/default.yaml"), f"train.out_dir={out}", "--dry-run"]) == 0
+    finally:
+        held.release()

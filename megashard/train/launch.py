@@ -7,10 +7,13 @@
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
-3. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
-   ``sys.executable -m torch.distributed.run ... -m megashard.train.worker <out_dir>/config.yaml``:
-   ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the config.
-   After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
+3. The checkpoint directory must not be held by another live job (:mod:`megashard.train.ckptlock`): on a
+   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does.
+4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
+   ``sys.executable -m megashard.train.agent ... -m megashard.train.worker <out_dir>/config.yaml``
+   (:mod:`megashard.train.agent` is ``torch.distributed.run`` with short output that dies with this
+   launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
+   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
 """
 from __future__ import annotations
 
@@ -81,16 +84,24 @@ class LaunchPlan:
     notes: list[str]
 
 
+def _rdzv_id(job: JobConfig) -> str:
+    return job.launch.rdzv_id or f"megashard-{job.name}"
+
+
 def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
-    """The torchrun command line that runs ``config_path`` (a resolved job YAML) on this node."""
+    """The torchrun command line that runs ``config_path`` (a resolved job YAML) on this node.
+
+    ``megashard.train.agent`` takes torchrun's arguments; ``torch.distributed.run`` in its place works too
+    (with torch's longer failure output and no lifeline for torchrun itself).
+    """
     la = job.launch
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "megashard.train.agent"]
     if la.nnodes == 1 and not la.rdzv_endpoint:
         cmd.append("--standalone")  # a private c10d store on a free port
     else:
         cmd += ["--nnodes", str(la.nnodes), "--rdzv-backend", la.rdzv_backend,
                 "--rdzv-endpoint", la.rdzv_endpoint or f"localhost:{SLURM_PORT}",  # plan_launch requires it
-                "--rdzv-id", la.rdzv_id or f"megashard-{job.name}"]
+                "--rdzv-id", _rdzv_id(job)]
         if la.node_rank is not None and la.rdzv_backend == "static":
             cmd += ["--node-rank", str(la.node_rank)]
     cmd += ["--nproc-per-node", str(la.nproc_per_node), "--max-restarts", str(la.max_restarts),
@@ -151,10 +162,36 @@ def _write_config(job: JobConfig, path: str) -> None:
     os.replace(tmp, path)
 
 
+def lock_id(job: JobConfig) -> str:
+    """The job id in the checkpoint lock: this launcher on one node, the rendezvous id on several."""
+    from megashard.train.lifeline import hostname
+
+    return f"{hostname()}:{os.getpid()}" if job.launch.nnodes == 1 else f"rdzv:{_rdzv_id(job)}"
+
+
+def _hold_checkpoint_dir(job: JobConfig):
+    """On a single node take the checkpoint directory's lock for the run (returned; CheckpointLockedError if a
+    live job holds it), on several leave it to the job's rank 0 (None)."""
+    from megashard.train.ckptlock import CheckpointLock
+
+    if job.launch.nnodes > 1:
+        return None  # checked in run(); a launcher per node cannot hold one lock
+    lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=lock_id(job), owner="launcher")
+    if lock.note:
+        print(f"megashard run: note: {lock.note}", file=sys.stderr)
+    return lock
+
+
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
-    """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError)."""
+    """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
+    or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
     plan = plan_launch(config, overrides)
     job, s = plan.job, plan.job.validate()
+    if not dry_run:
+        from megashard.train.ckptlock import check_free
+
+        # Refuse before anything is printed or written (one line); the lock is taken below.
+        check_free(job.checkpoint_dir, lock_id(job))
     keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
     print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
@@ -165,16 +202,29 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         print(shlex.join(plan.command))
         return 0
     try:
+        lock = _hold_checkpoint_dir(job)
+    except OSError as e:
+        print(f"megashard run: error: cannot create the checkpoint directory {job.checkpoint_dir}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 2
+    try:
         _write_config(job, plan.config_path)
     except OSError as e:
+        if lock is not None:
+            lock.release()
         print(f"megashard run: error: cannot write {plan.config_path} (train.out_dir={job.train.out_dir!r}): "
               f"{e.strerror or e}", file=sys.stderr)
         return 2
-    sys.stderr.flush()
     try:
-        proc = subprocess.run(plan.command, env={**os.environ, **plan.env})
+        sys.stderr.flush()
+        # The lifelines of torchrun (megashard.train.agent) and of the workers hang on these pids.
+        env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job)}
+        proc = subprocess.run(plan.command, env=env)
     except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
         return 130
+    finally:
+        if lock is not None:
+            lock.release()
     if proc.returncode != 0:
         print(f"megashard run: the job failed (torchrun exit code {proc.returncode}); "
               f"rerun the same command to resume from the newest checkpoint in {job.checkpoint_dir}", file=sys.stderr)

@@ -60,6 +60,12 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     fn(out, inp, group=group)
 
 
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a FutureWarning); both are public.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 # ---------------------------------------------------------------------------------------------- collectives
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -110,7 +116,7 @@ class _GatherSeq(torch.autograd.Function):
         n = dist.get_world_size(group)
         xt = x.transpose(0, 1).contiguous()  # sequence first: the gather concatenates dim 0
         out = torch.empty((n * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, xt, group=group)
+        _all_gather(out, xt, group)
         return out.transpose(0, 1)
 
     @staticmethod

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megashard.train.config import JobConfig
 
-__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters"]
+__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "job_fingerprint"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -165,17 +165,28 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
     from megashard.train.progress import ProgressBar
 
     ms.init_distributed(job.parallel)
-    sizes = job.validate(dist.get_world_size())
+    # Every rank must run the same job: checked in the first collective, before any other group exists.
+    agree_on = job_fingerprint(job)
     own_state = not ms.is_initialized()
-    state = ms.initialize(job.parallel) if own_state else ms.get_parallel_state()
-    if not own_state and state.sizes != sizes:
-        from megashard.errors import ConfigError
+    if own_state:
+        state = ms.initialize(job.parallel, agree_on=agree_on)
+    else:
+        from megashard.agreement import check_ranks_agree, fingerprint
 
-        raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
-                          f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the same sizes")
+        check_ranks_agree(fingerprint(job.parallel, agree_on), timeout=job.parallel.timeout)
+        state = ms.get_parallel_state()
     rank = dist.get_rank()
     t = job.train
+    lock = None
     try:
+        sizes = job.validate(dist.get_world_size())
+        if not own_state and state.sizes != sizes:
+            from megashard.errors import ConfigError
+
+            raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
+                              f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the same sizes")
+        if rank == 0:
+            lock = _hold_checkpoint_dir(job)
         seed = job.parallel.seed
         model_parallel_manual_seed(seed)
         model, optimizer = build(job, state)
@@ -244,8 +255,31 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
             _report(job, result, read_metrics(writer.path), plot_loss)
         return result
     finally:
+        if lock is not None:
+            lock.release()
         if own_state:
             ms.destroy()
+
+
+def job_fingerprint(job: JobConfig) -> dict[str, Any]:
+    """Every field of the job but ``parallel`` (compared by the parallel state) as dotted keys: what all ranks
+    must agree on. ``launch.node_rank`` differs per node by design and is left out."""
+    out: dict[str, Any] = {"name": job.name}
+    for section, values in job.to_dict().items():
+        if section != "parallel":
+            out.update({f"{section}.{k}": v for k, v in values.items() if (section, k) != ("launch", "node_rank")})
+    return out
+
+
+def _hold_checkpoint_dir(job: JobConfig) -> Any:
+    """Rank 0's lock of the checkpoint directory (:mod:`megashard.train.ckptlock`): joined when the job's
+    launcher holds it, taken (over, with a note, if stale) otherwise; raises if another live job holds it."""
+    from megashard.train.ckptlock import CheckpointLock, job_id_from_env
+
+    lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=job_id_from_env())
+    if lock.note:
+        print(f"megashard run: note: {lock.note}", file=sys.stderr, flush=True)
+    return lock
 
 
 def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) -> None:

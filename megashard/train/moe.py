@@ -19,7 +19,7 @@ from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
 from megashard.train.config import ModelConfig
-from megashard.train.layers import _reduce_scatter, group_rank, group_size, init_spec, scaled_std
+from megashard.train.layers import _all_gather, _reduce_scatter, group_rank, group_size, init_spec, scaled_std
 
 __all__ = ["MoE", "Experts"]
 
@@ -30,7 +30,7 @@ class _GatherDim0(torch.autograd.Function):
         ctx.group = group
         n = dist.get_world_size(group)
         out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group)
         return out
 
     @staticmethod
@@ -112,7 +112,7 @@ class MoE(nn.Module):
             tokens, gate = _GatherDim0.apply(tokens, self.group), _GatherDim0.apply(gate, self.group)
             all_choice = torch.empty((group_size(self.group) * choice.shape[0], choice.shape[1]),
                                      dtype=choice.dtype, device=choice.device)
-            dist.all_gather_into_tensor(all_choice, choice.contiguous(), group=self.group)
+            _all_gather(all_choice, choice.contiguous(), self.group)
             out = _ReduceScatterDim0.apply(self.experts(tokens, all_choice, gate), self.group)
         else:
             out = self.experts(tokens, choice, gate)

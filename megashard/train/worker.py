@@ -2,15 +2,28 @@
 
 ``megashard run`` writes the job's fully resolved config (overrides applied) to ``<out_dir>/config.yaml``
 and launches this module, so every attempt after a restart reads exactly the same job.
+
+The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.train.lifeline`). A worker whose
+collective fails only because another worker died (:func:`megashard.train.agent.is_peer_loss`) prints
+nothing: it waits to be stopped by torchrun, which reports the failure in one line, and otherwise exits
+with :data:`~megashard.train.agent.EXIT_PEER_LOST`.
 """
 from __future__ import annotations
 
 import sys
+import time
 from typing import Optional, Sequence
+
+#: Seconds a worker that lost its peers waits for torchrun to stop it (it usually does within its monitor interval).
+PEER_LOSS_GRACE_S = 15.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megashard.errors import MegashardError
+    from megashard.train.lifeline import die_with_parent, env_pid
+
+    die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # before the slow imports
+    from megashard.errors import MegashardError, RankMismatchError
+    from megashard.train.agent import EXIT_PEER_LOST, is_peer_loss
     from megashard.train.config import JobConfig
     from megashard.train.loop import train
 
@@ -23,6 +36,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         i = args.index("--name")
         name = args[i + 1]
         del args[i: i + 2]
+    import os
+
     import torch.distributed as dist
 
     try:
@@ -30,8 +45,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if name:
             job.name = name
         train(job)
-    except MegashardError as e:
-        print(f"megashard run: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:  # torchrun forwards Ctrl-C; it reports the interruption itself
+        return 130
+    except Exception as e:
+        if is_peer_loss(e):
+            sys.stderr.flush()
+            time.sleep(PEER_LOSS_GRACE_S)  # torchrun stops us (SIGTERM) once it sees the failed worker
+            os._exit(EXIT_PEER_LOST)  # no teardown: the process group is broken
+        if not isinstance(e, MegashardError):
+            raise
+        if not isinstance(e, RankMismatchError) or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"megashard run: error: {e}", file=sys.stderr)  # a mismatch: the same line on every rank, once per node
         return 2
     finally:
         if dist.is_initialized():

@@ -1,0 +1,157 @@
+"""torchrun as ``megashard run`` starts it: ``python -m megashard.train.agent <torchrun arguments>``.
+
+The same elastic agent as ``python -m torch.distributed.run`` (same arguments, same rendezvous, restarts
+and worker environment), with three differences:
+
+- **it dies with its launcher**: the lifeline of :mod:`megashard.train.lifeline` is armed first thing
+  (parent = ``MEGASHARD_LAUNCHER_PID``), and the workers get theirs from ``MEGASHARD_AGENT_PID``;
+- **short output**: torch's elastic log lines ("Sending process … closing signal SIGTERM", "failed
+  (exitcode: 1) …", the final ``ChildFailedError`` traceback) are replaced by one line per event::
+
+      megashard run: rank 1 failed (exit code 1); the other ranks lost their peers; torchrun restarts the job from the newest checkpoint (restart 1 of 1)
+      megashard run: rank 1 failed (exit code 1); no restarts left (launch.max_restarts=1)
+
+  Other warnings and errors of torchrun are still shown, one line each, prefixed ``megashard run: torchrun:``.
+- workers that only **lost their peers** (a gloo/NCCL connection broke because another worker died) exit
+  quietly with :data:`EXIT_PEER_LOST` instead of printing a traceback (see :func:`is_peer_loss`).
+
+Exit code: 0 success, 1 the job failed, 128 + N after signal N.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any, Optional, Sequence
+
+__all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit"]
+
+EXIT_PEER_LOST = 75
+"""Exit code of a worker whose collective failed because another worker died (EX_TEMPFAIL)."""
+
+#: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
+_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
+              "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed")
+
+# torch's elastic log messages replaced by megashard's own lines (matched on the unformatted template).
+_FAILED = "failed (exitcode"
+_RESTART = "attempts left; will restart worker group"
+_QUIET = ("closing signal", "death signal", "Got termination signal", "Setting OMP_NUM_THREADS",
+          "config has no run_id")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
+    import torch.distributed as dist
+
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, getattr(dist, "DistNetworkError", ())):
+            return True
+        text = str(e).lower()
+        if any(s in text for s in _PEER_LOSS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def describe_exit(code: int) -> str:
+    """``1`` -> "exit code 1"; ``-9`` -> "killed by SIGKILL"; :data:`EXIT_PEER_LOST` -> "lost its peers"."""
+    if code == EXIT_PEER_LOST:
+        return "lost its peers"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Reporter(logging.Handler):
+    """Turns torchrun's log records into megashard's one-line messages (see the module docstring)."""
+
+    def __init__(self, nnodes: str, host: str) -> None:
+        super().__init__(logging.INFO)
+        self.single_node = str(nnodes) in ("1", "1:1")
+        self.host = host
+        self.failure: Optional[tuple[int, int]] = None  # (local rank, exit code) of the newest failure
+
+    def who(self, rank: Any, local: bool = True) -> str:
+        return f"rank {rank}" if self.single_node or not local else f"local rank {rank} on {self.host}"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        template = record.msg if isinstance(record.msg, str) else str(record.msg)
+        try:
+            if template.startswith(_FAILED):
+                exitcode, local_rank = record.args[0], record.args[1]  # type: ignore[index]
+                self.failure = (int(local_rank), int(exitcode))
+                return
+            if _RESTART in template:
+                _, _, remaining, max_restarts = record.args  # type: ignore[misc]
+                n = int(max_restarts) - int(remaining) + 1
+                cause = "a worker failed"
+                if self.failure is not None:
+                    rank, code = self.failure
+                    cause = f"{self.who(rank)} failed ({describe_exit(code)}); the other ranks lost their peers"
+                _say(f"{cause}; torchrun restarts the job from the newest checkpoint (restart {n} of {max_restarts})")
+                self.failure = None
+                return
+        except (TypeError, ValueError, IndexError):
+            pass  # another torch's record layout: fall through to the generic line
+        if record.levelno >= logging.WARNING and not any(q in template for q in _QUIET):
+            _say("torchrun: " + record.getMessage().strip().replace("\n", " "))
+
+
+def _say(msg: str) -> None:
+    print(f"megashard run: {msg}", file=sys.stderr, flush=True)
+
+
+def _summary(err: Any, max_restarts: int) -> str:
+    """One line for torchrun's final ChildFailedError: the root failure (not the ranks it took down)."""
+    failures = dict(getattr(err, "failures", {}) or {})
+    if not failures:
+        return "the job failed"
+    secondary = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
+    roots = {r: f for r, f in failures.items() if f.exitcode not in secondary} or failures
+    rank, first = min(roots.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    others = f" ({len(roots) - 1} more failed)" if len(roots) > 1 else ""
+    left = f"no restarts left (launch.max_restarts={max_restarts})" if max_restarts else "no restarts (launch.max_restarts=0)"
+    return f"rank {rank} failed ({describe_exit(first.exitcode)}){others}; {left}"
+
+
+def _quiet_torchrun_logs(reporter: logging.Handler) -> None:
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+        lg = logging.getLogger(name)
+        lg.addHandler(reporter)
+        lg.propagate = False  # not through torch's own handler
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.INFO)  # the restart record is INFO
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megashard.train.lifeline import die_with_parent, env_pid, hostname
+
+    die_with_parent(env_pid("MEGASHARD_LAUNCHER_PID"))
+    os.environ["MEGASHARD_AGENT_PID"] = str(os.getpid())  # the workers' lifeline
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    _quiet_torchrun_logs(_Reporter(args.nnodes, hostname()))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        _say(_summary(e, int(args.max_restarts)))
+        return 1
+    except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
