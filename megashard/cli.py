@@ -121,7 +121,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
         description=(
             "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
-            "process, then start the job with PyTorch's elastic launcher (python -m torch.distributed.run): "
+            "process, then start the job with PyTorch's elastic launcher (python -m megashard.train.agent: "
+            "torch.distributed.run with one-line failure reports; it and the workers die with this launcher): "
             "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
             "Slurm variables when present. Rank 0 shows a progress bar; outputs go to train.out_dir "
             "(metrics.jsonl, loss.png, checkpoints/). See docs/train.md."
@@ -132,7 +133,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
             f"  megashard run {DEFAULT_CONFIG} train.steps=50 parallel.tp=1 parallel.dp_shard=4\n"
             "  megashard run configs/hsdp.yaml launch.max_restarts=2\n"
             f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
-            "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage (no process started)"
+            "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage, or a checkpoint directory another live "
+            "job holds (no process started)"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -166,7 +166,7 @@ def _take(directory: str, i: int, q, go) -> None:
 def test_concurrent_takers_of_a_stale_lock_have_one_winner(tmp_path):
     d = str(tmp_path)
     _write(d, pid=_dead_pid(), pid_start=None, job="crashed")
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_take, args=(d, i, q, go)) for i in range(4)]
     for p in procs:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -182,6 +183,18 @@ def _hold_checkpoint_dir(job: JobConfig):
     return lock
 
 
+def _exit_on_sigterm():
+    """SIGTERM ends the launcher through SystemExit, so the lock is released (torchrun and the workers follow
+    through their lifelines); returns the previous handler, or None off the main thread."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
     or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
@@ -215,6 +228,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         print(f"megashard run: error: cannot write {plan.config_path} (train.out_dir={job.train.out_dir!r}): "
               f"{e.strerror or e}", file=sys.stderr)
         return 2
+    previous = _exit_on_sigterm()
     try:
         sys.stderr.flush()
         # The lifelines of torchrun (megashard.train.agent) and of the workers hang on these pids.
@@ -225,6 +239,8 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     finally:
         if lock is not None:
             lock.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if proc.returncode != 0:
         print(f"megashard run: the job failed (torchrun exit code {proc.returncode}); "
               f"rerun the same command to resume from the newest checkpoint in {job.checkpoint_dir}", file=sys.stderr)
