@@ -110,16 +110,22 @@ def _say(msg: str) -> None:
 
 
 def _summary(err: Any, max_restarts: int) -> str:
-    """One line for torchrun's final ChildFailedError: the root failure (not the ranks it took down)."""
+    """One line for torchrun's final ChildFailedError: the root failures (not the ranks they took down)."""
     failures = dict(getattr(err, "failures", {}) or {})
     if not failures:
         return "the job failed"
     secondary = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
     roots = {r: f for r, f in failures.items() if f.exitcode not in secondary} or failures
-    rank, first = min(roots.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    others = f" ({len(roots) - 1} more failed)" if len(roots) > 1 else ""
+    by_exit: dict[str, list[int]] = {}
+    for rank in sorted(roots, key=lambda r: (roots[r].timestamp, r)):  # the first failure first
+        by_exit.setdefault(describe_exit(roots[rank].exitcode), []).append(rank)
+    parts = []
+    for what, ranks in by_exit.items():
+        ranks = sorted(ranks)
+        shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {shown} failed ({what})")
     left = f"no restarts left (launch.max_restarts={max_restarts})" if max_restarts else "no restarts (launch.max_restarts=0)"
-    return f"rank {rank} failed ({describe_exit(first.exitcode)}){others}; {left}"
+    return f"{'; '.join(parts)}; {left}"
 
 
 def _quiet_torchrun_logs(reporter: logging.Handler) -> None:

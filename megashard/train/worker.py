@@ -18,6 +18,19 @@ from typing import Optional, Sequence
 PEER_LOSS_GRACE_S = 15.0
 
 
+def _prints(e: BaseException, mismatch: type) -> bool:
+    """Whether this rank prints error ``e``: errors every rank raises alike are printed once — a rank mismatch
+    by local rank 0 of each node, an error shared from rank N ("(raised on rank N) ...",
+    :mod:`megashard.checkpoint.dcp`) by rank N only."""
+    import os
+    import re
+
+    if isinstance(e, mismatch):
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    shared = re.match(r"\(raised on rank (\d+)\) ", str(e))
+    return shared is None or shared.group(1) == os.environ.get("RANK", "0")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megashard.train.lifeline import die_with_parent, env_pid
 
@@ -54,8 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os._exit(EXIT_PEER_LOST)  # no teardown: the process group is broken
         if not isinstance(e, MegashardError):
             raise
-        if not isinstance(e, RankMismatchError) or os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"megashard run: error: {e}", file=sys.stderr)  # a mismatch: the same line on every rank, once per node
+        if _prints(e, RankMismatchError):
+            print(f"megashard run: error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

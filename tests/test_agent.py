@@ -1,0 +1,73 @@
+"""How failures of a job are told (megashard.train.agent, megashard.train.worker), without launching.
+
+torchrun's final ChildFailedError becomes one line naming the root failures, not the ranks they took
+down; peer-loss errors are recognised through their cause chain; an error every rank raises alike is
+printed once. (The launches themselves are in test_train_launch.py.)
+"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from megashard.errors import CheckpointCorruptedError, ConfigError, RankMismatchError
+from megashard.train.agent import EXIT_PEER_LOST, _summary, describe_exit, is_peer_loss
+from megashard.train.worker import _prints
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:6563: Connection reset by peer. This is typically caused by a remote worker hanging")
+
+
+def _failure(rank: int, code: int, ts: int) -> ProcessFailure:
+    f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="<N/A>")
+    f.timestamp = ts
+    return f
+
+
+def test_the_final_summary_names_root_failures_not_their_victims():
+    sigterm = -int(signal.SIGTERM)
+    err = ChildFailedError("megashard.train.worker", {0: _failure(0, sigterm, 10), 1: _failure(1, 1, 9),
+                                                      2: _failure(2, EXIT_PEER_LOST, 8), 3: _failure(3, sigterm, 10)})
+    assert _summary(err, 1) == "rank 1 failed (exit code 1); no restarts left (launch.max_restarts=1)"
+    err = ChildFailedError("w", {0: _failure(0, 2, 5), 2: _failure(2, 2, 5), 1: _failure(1, -9, 4)})
+    assert _summary(err, 0) == "rank 1 failed (killed by SIGKILL); ranks 0, 2 failed (exit code 2); " \
+                               "no restarts (launch.max_restarts=0)"
+    only_victims = ChildFailedError("w", {3: _failure(3, EXIT_PEER_LOST, 1)})
+    assert _summary(only_victims, 2).startswith("rank 3 failed (lost its peers); no restarts left")
+
+
+def test_exit_codes_read_as_words():
+    assert describe_exit(1) == "exit code 1" and describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(EXIT_PEER_LOST) == "lost its peers" and describe_exit(-200) == "killed by signal 200"
+
+
+def test_peer_loss_is_found_through_the_cause_chain():
+    assert is_peer_loss(RuntimeError(GLOO_RESET))
+    assert is_peer_loss(dist.DistNetworkError("failed to reach the store"))
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:36239")
+        except RuntimeError as inner:
+            raise CheckpointCorruptedError("save failed") from inner
+    except CheckpointCorruptedError as outer:
+        assert is_peer_loss(outer)
+    assert not is_peer_loss(RuntimeError("CUDA out of memory"))
+    assert not is_peer_loss(ValueError("shape mismatch"))
+    assert not is_peer_loss(RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete"))
+
+
+@pytest.mark.parametrize("err,env,printed", [
+    (ConfigError("model.heads=3"), {"RANK": "2", "LOCAL_RANK": "2"}, True),            # this rank's own error
+    (CheckpointCorruptedError("(raised on rank 0) x: damaged"), {"RANK": "0"}, True),   # the rank it came from
+    (CheckpointCorruptedError("(raised on rank 0) x: damaged"), {"RANK": "3"}, False),  # a copy
+    (RankMismatchError("ranks disagree"), {"RANK": "4", "LOCAL_RANK": "0"}, True),      # once per node
+    (RankMismatchError("ranks disagree"), {"RANK": "5", "LOCAL_RANK": "1"}, False),
+])
+def test_an_error_every_rank_raises_alike_is_printed_once(monkeypatch, err, env, printed):
+    for k in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _prints(err, RankMismatchError) is printed
