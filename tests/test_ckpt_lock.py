@@ -153,7 +153,8 @@ def test_the_heartbeat_refreshes_the_file_time(tmp_path, monkeypatch):
 
 
 def _take(directory: str, i: int, q, go) -> None:
-    go.wait(30)
+    q.put(("ready", i, ""))
+    go.wait(60)
     try:
         lock = CheckpointLock.acquire(directory, job=f"taker{i}", job_id=f"t{i}")
         q.put(("won", i, lock.note))
@@ -171,6 +172,7 @@ def test_concurrent_takers_of_a_stale_lock_have_one_winner(tmp_path):
     procs = [ctx.Process(target=_take, args=(d, i, q, go)) for i in range(4)]
     for p in procs:
         p.start()
+    assert [q.get(timeout=120)[0] for _ in procs] == ["ready"] * 4
     go.set()  # all at once
     results = [q.get(timeout=60) for _ in procs]
     for p in procs:

@@ -22,6 +22,8 @@ job id, owner, time taken), created atomically. Who holds it:
   within that margin). A younger lock from another host counts as live.
 
 A live lock of another job raises :class:`~megashard.errors.CheckpointLockedError` naming the holder.
+Locks are created with an atomic hard link (create-with-content) and stale ones removed only under a
+short-lived ``.takeover`` mutex file, so of several jobs taking over one stale lock exactly one wins.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ __all__ = ["LOCK_NAME", "HEARTBEAT_S", "STALE_AFTER_S", "LockHolder", "Checkpoin
 LOCK_NAME = ".megashard.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
+TAKEOVER_ABANDONED_S = 10.0
 
 
 def job_id_from_env() -> Optional[str]:
@@ -150,7 +153,7 @@ class CheckpointLock:
                         pid_start=process_start_time(pid), taken=time.time())
         os.makedirs(directory, exist_ok=True)
         note = None
-        for _ in range(20):  # a few rounds of losing races against another taker
+        for _ in range(200):  # rounds of losing races against other takers (each waits 50 ms at most)
             holder = read_holder(directory)
             if holder is not None:
                 same_job = holder.job_id == me.job_id
@@ -162,8 +165,8 @@ class CheckpointLock:
                 if not same_job:
                     note = f"took over the lock of {directory} from {holder.describe()}: {reason}"
                 # else: a lock of this job's earlier attempt (a torchrun restart): taken over silently
-                if not _move_aside(directory, holder):
-                    continue  # someone else took it over first: look again
+                if not _remove_stale(directory, holder):
+                    continue  # someone else is taking it over: look again
             if _create(_lock_path(directory), me):
                 return cls(directory, me, created=True, note=note)
         raise _refusal(directory, read_holder(directory) or me)
@@ -212,28 +215,34 @@ def _create(path: str, holder: LockHolder) -> bool:
         os.remove(tmp)
 
 
-def _move_aside(directory: str, stale: LockHolder) -> bool:
-    """Remove the stale lock ``stale`` so that exactly one taker wins (rename is atomic); False if the file
-    was gone or had meanwhile been replaced by another taker's lock (which is then put back)."""
+def _identity(h: Optional[LockHolder]) -> Optional[tuple]:
+    return None if h is None else (h.host, h.pid, h.job_id, h.taken)
+
+
+def _remove_stale(directory: str, stale: LockHolder) -> bool:
+    """Remove the lock file if it still is ``stale``'s. Removals happen only under a short-lived mutex
+    (``<lock>.takeover``, created exclusively), so a fresh lock is never removed by a late taker; creation
+    stays the atomic link of :func:`_create`, so exactly one taker wins. False: look again."""
     path = _lock_path(directory)
-    aside = f"{path}.stale.{os.getpid()}.{time.monotonic_ns()}"
+    mutex = path + ".takeover"
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    try:
-        with open(aside, encoding="utf-8") as f:
-            d = json.loads(f.read())
-        moved = (str(d.get("host")), int(d.get("pid", 0)), str(d.get("job_id", "")), float(d.get("taken", 0.0)))
-    except (ValueError, TypeError, OSError):
-        moved = None
-    judged = (stale.host, stale.pid, stale.job_id, stale.taken)
-    if moved is not None and moved != judged and stale.pid != 0:
-        try:  # another taker's fresh lock: restore it unless a third one has appeared
-            os.link(aside, path)
+        fd = os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            if time.time() - os.stat(mutex).st_mtime > TAKEOVER_ABANDONED_S:
+                os.remove(mutex)  # left by a taker that died midway
         except OSError:
             pass
-        os.remove(aside)
+        time.sleep(0.05)
         return False
-    os.remove(aside)
-    return True
+    os.close(fd)
+    try:
+        if _identity(read_holder(directory)) != _identity(stale):
+            return False  # already taken over (or released) by someone else
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        return True
+    finally:
+        os.remove(mutex)
