@@ -95,7 +95,8 @@ class _Reporter(logging.Handler):
                 cause = "a worker failed"
                 if self.failure is not None:
                     rank, code = self.failure
-                    cause = f"{self.who(rank)} failed ({describe_exit(code)}); the other ranks lost their peers"
+                    cause = (f"{self.who(rank)} lost its peers (a worker on another node failed)" if code == EXIT_PEER_LOST
+                             else f"{self.who(rank)} failed ({describe_exit(code)}); the other ranks lost their peers")
                 _say(f"{cause}; torchrun restarts the job from the newest checkpoint (restart {n} of {max_restarts})")
                 self.failure = None
                 return
