@@ -71,3 +71,35 @@ def test_an_error_every_rank_raises_alike_is_printed_once(monkeypatch, err, env,
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert _prints(err, RankMismatchError) is printed
+
+
+def _record(level: int, msg: str, *args) -> "logging.LogRecord":
+    import logging
+
+    return logging.LogRecord("torch.distributed.elastic.x", level, __file__, 1, msg, args, None)
+
+
+def test_torchrun_log_records_become_one_line_per_restart(capsys):
+    import logging
+
+    from megashard.train.agent import _Reporter
+
+    # torch's own templates (torch/distributed/elastic/multiprocessing/api.py, agent/server/api.py)
+    failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    restart = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
+    single = _Reporter("1:1", "vm")
+    single.emit(_record(logging.WARNING, "Sending process %s closing signal %s", 12, "SIGTERM"))
+    single.emit(_record(logging.ERROR, failed, 1, 3, 4321, "/usr/bin/python"))
+    single.emit(_record(logging.INFO, restart, "default", "FAILED", 2, 3))
+    single.emit(_record(logging.INFO, "[%s] starting workers for entrypoint: %s", "default", "python"))
+    single.emit(_record(logging.WARNING, "rendezvous round %s timed out", 4))
+    multi = _Reporter("2", "node7")
+    multi.emit(_record(logging.ERROR, failed, EXIT_PEER_LOST, 0, 99, "python"))
+    multi.emit(_record(logging.INFO, restart, "default", "FAILED", 1, 1))
+    assert capsys.readouterr().err.splitlines() == [
+        "megashard run: rank 3 failed (exit code 1); the other ranks lost their peers; torchrun restarts the job "
+        "from the newest checkpoint (restart 2 of 3)",
+        "megashard run: torchrun: rendezvous round 4 timed out",
+        "megashard run: local rank 0 on node7 lost its peers (a worker on another node failed); torchrun restarts "
+        "the job from the newest checkpoint (restart 1 of 1)",
+    ]
