@@ -95,8 +95,9 @@ class _Reporter(logging.Handler):
                 cause = "a worker failed"
                 if self.failure is not None:
                     rank, code = self.failure
-                    cause = (f"{self.who(rank)} lost its peers (a worker on another node failed)" if code == EXIT_PEER_LOST
-                             else f"{self.who(rank)} failed ({describe_exit(code)}); the other ranks lost their peers")
+                    who = self.who(rank)
+                    cause = (f"{who} lost its peers (a worker on another node failed)" if code == EXIT_PEER_LOST
+                             else f"{who} failed ({describe_exit(code)}); the other ranks lost their peers")
                 _say(f"{cause}; torchrun restarts the job from the newest checkpoint (restart {n} of {max_restarts})")
                 self.failure = None
                 return
@@ -125,7 +126,8 @@ def _summary(err: Any, max_restarts: int) -> str:
         ranks = sorted(ranks)
         shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
         parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {shown} failed ({what})")
-    left = f"no restarts left (launch.max_restarts={max_restarts})" if max_restarts else "no restarts (launch.max_restarts=0)"
+    left = (f"no restarts left (launch.max_restarts={max_restarts})" if max_restarts
+            else "no restarts (launch.max_restarts=0)")
     return f"{'; '.join(parts)}; {left}"
 
 
