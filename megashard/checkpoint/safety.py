@@ -30,7 +30,7 @@ import re
 import shutil
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from megashard.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
@@ -42,12 +42,14 @@ __all__ = [
     "MARKER_FILE",
     "Marker",
     "apply_retention",
+    "bytes_checksum",
     "checkpoint_dirname",
     "cleanup_stale",
     "commit_checkpoint",
     "file_checksum",
     "file_record",
     "list_checkpoints",
+    "new_digest",
     "latest_checkpoint",
     "read_marker",
     "resolve_checkpoint",
@@ -67,27 +69,42 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 8 << 20  # bytes read per hash update
 
 
-def _crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            buf = f.read(_CHUNK)
-            if not buf:
-                break
-            crc = zlib.crc32(buf, crc)
-    return f"{crc:08x}"
+class _Crc32:
+    """zlib's CRC-32 with hashlib's ``update`` / ``hexdigest`` interface (``zlib.crc32`` releases the GIL)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
 
 
-def _hashlib(name: str) -> Callable[[str], str]:
+def new_digest(algorithm: str):
+    """A running digest of ``algorithm`` (``update(bytes)``, ``hexdigest()``)."""
+    _check_algorithm(algorithm)
+    return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
+
+
+def bytes_checksum(data, algorithm: str = "crc32") -> str:
+    """Hex digest of a bytes-like object (what the marker records for a file or one DCP storage item)."""
+    d = new_digest(algorithm)
+    d.update(data)
+    return d.hexdigest()
+
+
+def _file_digest(algorithm: str) -> Callable[[str], str]:
     def digest(path: str) -> str:
-        h = hashlib.new(name)
+        d = new_digest(algorithm)
         with open(path, "rb") as f:
             while True:
                 buf = f.read(_CHUNK)
                 if not buf:
                     break
-                h.update(buf)
-        return h.hexdigest()
+                d.update(buf)
+        return d.hexdigest()
 
     return digest
 
@@ -95,8 +112,8 @@ def _hashlib(name: str) -> Callable[[str], str]:
 #: name -> function(path) -> hex digest. crc32 (default) is the fastest and catches truncation and bit
 #: flips; sha256 is a cryptographic digest, e.g. to compare with digests kept outside the checkpoint.
 CHECKSUM_ALGORITHMS: dict[str, Callable[[str], str]] = {
-    "sha256": _hashlib("sha256"),
-    "crc32": _crc32,
+    "sha256": _file_digest("sha256"),
+    "crc32": _file_digest("crc32"),
 }
 
 
@@ -174,25 +191,51 @@ def read_json(path: str, what: str) -> dict:
 # ---------------------------------------------------------------------------------------------- marker
 @dataclass(frozen=True)
 class Marker:
-    """Contents of ``COMPLETE.json``: the step and every file's size and checksum."""
+    """Contents of ``COMPLETE.json``: the step, every file's size and checksum, and per-item checksums.
+
+    ``items[name]`` maps ``(offset, length)`` of every DCP storage item of data file ``name`` to the
+    checksum of those bytes (recorded by the writer as it wrote them; absent in checkpoints of older
+    megashard versions and for files whose items do not tile the file). A reader verifies each item as
+    it reads it instead of hashing the whole file first.
+    """
 
     step: int
     algorithm: str
     files: dict  # relative path -> {"size": int, "checksum": str}
     created: float
+    items: dict = field(default_factory=dict)  # relative path -> {(offset, length): checksum}
 
     @property
     def total_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.files.values())
 
 
-def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str) -> None:
-    """Write the completion marker (last file of a save). ``files``: relative path -> :func:`file_record`."""
+def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str, items: Optional[dict] = None) -> None:
+    """Write the completion marker (last file of a save).
+
+    ``files``: relative path -> :func:`file_record`; ``items``: relative path -> ``[(offset, length,
+    checksum), ...]`` of the DCP storage items in that file (they must tile it: bytes 0..size, no gap).
+    """
     _check_algorithm(algorithm)
+    records = {}
+    for k in sorted(files):
+        records[k] = dict(files[k])
+        if items and items.get(k):
+            records[k]["items"] = [[int(o), int(n), str(c)] for o, n, c in sorted(items[k])]
     write_json_atomic(os.path.join(ckpt_dir, MARKER_FILE), {
         "format": FORMAT, "version": FORMAT_VERSION, "step": step, "algorithm": algorithm,
-        "created": time.time(), "files": {k: files[k] for k in sorted(files)},
+        "created": time.time(), "files": records,
     })
+
+
+def _tiles(items: dict, size: int) -> bool:
+    """True if the ``(offset, length)`` keys cover bytes ``0..size`` exactly, in order, without gaps."""
+    pos = 0
+    for off, n in sorted(items):
+        if off != pos or n < 0:
+            return False
+        pos += n
+    return pos == size
 
 
 def read_marker(ckpt_dir: str) -> Marker:
@@ -204,13 +247,20 @@ def read_marker(ckpt_dir: str) -> Marker:
             raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
         if int(obj.get("version", 0)) > FORMAT_VERSION:
             raise ValueError(f"format version {obj['version']} is newer than this megashard reads ({FORMAT_VERSION})")
-        files = {str(k): {"size": int(v["size"]), "checksum": str(v["checksum"])} for k, v in obj["files"].items()}
-        for name in files:
+        files, items = {}, {}
+        for k, v in obj["files"].items():
+            name = str(k)
             if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
                 raise ValueError(f"file entry {name!r} points outside the checkpoint directory")
+            files[name] = {"size": int(v["size"]), "checksum": str(v["checksum"])}
+            if v.get("items"):
+                table = {(int(o), int(n)): str(c) for o, n, c in v["items"]}
+                if not _tiles(table, files[name]["size"]):
+                    raise ValueError(f"the items of {name!r} do not cover its {files[name]['size']} bytes")
+                items[name] = table
         algorithm = str(obj["algorithm"])
         _check_algorithm(algorithm)
-        return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)))
+        return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)), items)
     except (KeyError, TypeError, ValueError, CheckpointError) as e:
         raise CheckpointCorruptedError(f"completion marker {path} is malformed: {e}") from None
 
@@ -237,12 +287,19 @@ def _check_one(ckpt_dir: str, name: str, record: dict, algorithm: str, checksum:
     return None
 
 
+def item_problem(path: str, what: str, offset: int, length: int, algorithm: str, actual: str, expected: str) -> str:
+    """The problem line of a DCP storage item whose bytes do not match the marker."""
+    return (f"{path}: {algorithm} checksum {actual} of {what} (bytes {offset}..{offset + length}) does not match "
+            f"{expected} recorded when the checkpoint was completed (the file was altered or corrupted)")
+
+
 def verify_files(
     ckpt_dir: str,
     marker: Marker,
     names: Optional[Iterable[str]] = None,
     *,
     checksum: bool = True,
+    defer_items: bool = False,
     progress: Optional[Callable[[int], None]] = None,
 ) -> list[str]:
     """Check files of a checkpoint against its marker; returns one problem description per bad file.
@@ -251,6 +308,8 @@ def verify_files(
         names: relative paths to check (default: every file in the marker); names the marker does not
             list are reported as problems.
         checksum: also recompute checksums (reads the files); False checks sizes only.
+        defer_items: files with per-item checksums (``marker.items``) get only their size checked here:
+            their items are verified as they are read (:class:`megashard.checkpoint.storage.SafeFileSystemReader`).
         progress: called with the bytes of each file once it is checked.
     """
     problems = []
@@ -259,7 +318,7 @@ def verify_files(
         if record is None:
             problems.append(f"{os.path.join(ckpt_dir, name)}: not listed in the completion marker")
             continue
-        p = _check_one(ckpt_dir, name, record, marker.algorithm, checksum)
+        p = _check_one(ckpt_dir, name, record, marker.algorithm, checksum and not (defer_items and name in marker.items))
         if p:
             problems.append(p)
         if progress is not None:
@@ -268,17 +327,22 @@ def verify_files(
 
 
 def raise_problems(ckpt_dir: str, problems: Sequence[str]) -> None:
-    """Raise one CheckpointCorruptedError listing ``problems`` (no-op if empty)."""
+    """Raise one CheckpointCorruptedError listing ``problems`` (no-op if empty).
+
+    The error's ``problems`` attribute holds the list (one line per damaged file or item).
+    """
     if not problems:
         return
     older = [e.path for e in list_checkpoints(os.path.dirname(os.path.abspath(ckpt_dir))) if e.complete
              and os.path.abspath(e.path) != os.path.abspath(ckpt_dir)]
     hint = f" Older complete checkpoints: {older[-3:]}." if older else ""
     shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-    raise CheckpointCorruptedError(
+    err = CheckpointCorruptedError(
         f"checkpoint {ckpt_dir} is damaged, refusing to load it: {shown}. Restore the file(s) from a copy or "
         f"load another checkpoint.{hint}"
     )
+    err.problems = list(problems)
+    raise err
 
 
 # ---------------------------------------------------------------------------------------------- listing
