@@ -192,6 +192,12 @@ def test_consolidated_job_checkpoint_holds_model_and_optim(runs, tmp_path, capsy
     _assert_same_parameters(full["model"], want)
     assert set(full["optim"]) == {f"{n}.{k}" for n in want for k in ("exp_avg", "exp_avg_sq", "step")}
     assert all(float(full["optim"][f"{n}.step"]) == 6.0 for n in want)
+    from megashard.train.config import JobConfig
+    from megashard.train.model import GPT
+
+    plain = GPT(JobConfig.from_yaml(DEFAULT, BASE).model)  # no process groups: a plain module
+    plain.load_state_dict(full["model"])  # strict: every parameter, nothing else
+    _assert_same_parameters(dict(plain.named_parameters()), want)
     from megashard.train.checkpointing import read_full_model
 
     _assert_same_parameters(read_full_model(_ckpt("full", 6)), want)

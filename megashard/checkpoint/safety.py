@@ -8,14 +8,16 @@ A checkpoint root holds one directory per saved step::
         megashard.json          config and rank layout it was saved with
         rank_state/000000.pt    per-rank RNG and data-loader state
         COMPLETE.json           the completion marker, written last: size and checksum of every file
+                                (and of every DCP storage item in the data files)
       .tmp-step_00000020/       a save in progress (or killed midway): ignored, removed by the next save
       .trash-step_00000002/     being deleted by retention: ignored
 
 Rules: a directory counts as a checkpoint only if its name is ``step_<digits>`` *and* it holds a
 readable marker. The marker is written (and fsynced) inside the temporary directory, which is then
 renamed to its final name in one ``os.rename`` and the root directory fsynced; so a reader sees either
-nothing or the whole checkpoint. Before any data reaches DCP, files are checked against the marker
-(size always, checksum unless disabled): a truncated or altered file raises
+nothing or the whole checkpoint. The marker records every file's size and checksum and, for data files,
+the checksum of every DCP storage item in them; readers check sizes first and checksums as they read
+(:mod:`megashard.checkpoint.storage`): a truncated or altered file raises
 :class:`~megashard.errors.CheckpointCorruptedError` naming it, never a wrong tensor.
 
 This module is pure file handling (no torch.distributed); :mod:`megashard.checkpoint.dcp` decides
