@@ -244,3 +244,27 @@ def test_inspect_no_verify_compares_sizes_only(ckpt, tmp_path, capsys):
     assert main(["ckpt", "inspect", copy, "--no-verify"]) == 1
     assert main(["ckpt", "inspect", str(tmp_path / "nothing")]) == 2  # no checkpoint: usage error
     capsys.readouterr()
+
+
+def test_crc32_combine_equals_the_crc_of_the_concatenation():
+    import zlib
+
+    rng = random.Random(1)
+    for _ in range(200):
+        a = rng.randbytes(rng.randrange(0, 3000))
+        b = rng.randbytes(rng.choice([0, 1, 3, 64, rng.randrange(0, 70000)]))
+        assert safety.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_sha256_checkpoints_are_verified_per_item_too(tmp_path):
+    torch.manual_seed(0)
+    model = _net()
+    path = mdcp.save(str(tmp_path), 2, model, checksum="sha256")
+    marker = safety.read_marker(path)
+    raw = open(os.path.join(path, "__0_0.distcp"), "rb").read()
+    assert marker.algorithm == "sha256" and marker.files["__0_0.distcp"]["checksum"] == safety.bytes_checksum(raw, "sha256")
+    (off, n), digest = sorted(marker.items["__0_0.distcp"].items())[-1]
+    assert len(digest) == 64 and digest == safety.bytes_checksum(raw[off:off + n], "sha256")
+    _flip(os.path.join(path, "__0_0.distcp"), off + 1)
+    with pytest.raises(CheckpointCorruptedError, match=rf"__0_0\.distcp: sha256 checksum \w+ of item '.*' .*\(bytes {off}\.\."):
+        mdcp.load(str(tmp_path), _net())

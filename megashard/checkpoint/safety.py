@@ -84,6 +84,44 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
+# CRC-32 of a concatenation from the CRCs of its parts (zlib's crc32_combine, which Python's zlib does not
+# expose): polynomial arithmetic modulo the CRC-32 polynomial, reflected bit order as in zlib.
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo p(x), both 32-bit reflected polynomials."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo p(x), k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+_X8N_CACHE: dict[int, int] = {}
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``."""
+    op = _X8N_CACHE.get(len2)
+    if op is None:  # x^(8 * len2) modulo p(x); lengths repeat (same-shaped shards), so cache them
+        op, n, k = 1 << 31, len2, 3
+        while n:
+            if n & 1:
+                op = _multmodp(_X2N[k & 31], op)
+            n >>= 1
+            k += 1
+        if len(_X8N_CACHE) < 4096:
+            _X8N_CACHE[len2] = op
+    return _multmodp(op, crc1) ^ crc2
+
+
 def new_digest(algorithm: str):
     """A running digest of ``algorithm`` (``update(bytes)``, ``hexdigest()``)."""
     _check_algorithm(algorithm)

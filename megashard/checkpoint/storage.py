@@ -23,6 +23,7 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterable, Optional, Sequence
@@ -91,18 +92,24 @@ def load_dcp_metadata(path: str) -> Metadata:
 
 # ---------------------------------------------------------------------------------------------- save
 class _HashingStream:
-    """A write-only file wrapper that hashes the whole file and each span between two ``tell()`` calls."""
+    """A write-only file wrapper that hashes each span between two ``tell()`` calls, and the whole file.
+
+    With crc32 every byte is hashed once: the file's CRC is combined from the spans' CRCs
+    (:func:`megashard.checkpoint.safety.crc32_combine`); other algorithms keep a second running digest.
+    """
 
     def __init__(self, raw: Any, algorithm: str) -> None:
         self._raw, self._algorithm = raw, algorithm
-        self._file = safety.new_digest(algorithm)
+        self._file = None if algorithm == "crc32" else safety.new_digest(algorithm)
+        self._file_crc = 0
         self._item = safety.new_digest(algorithm)
         self._pos = self._start = 0
         self.spans: dict[tuple[int, int], str] = {}  # (offset, length) -> checksum
 
     def write(self, data: Any) -> int:
         n = self._raw.write(data)
-        self._file.update(data)
+        if self._file is not None:
+            self._file.update(data)
         self._item.update(data)
         self._pos += memoryview(data).nbytes
         return n
@@ -113,13 +120,17 @@ class _HashingStream:
 
     def _cut(self) -> None:
         if self._pos > self._start:
-            self.spans[(self._start, self._pos - self._start)] = self._item.hexdigest()
+            length = self._pos - self._start
+            self.spans[(self._start, length)] = self._item.hexdigest()
+            if self._file is None:
+                self._file_crc = safety.crc32_combine(self._file_crc, self._item.value, length)
             self._item = safety.new_digest(self._algorithm)
             self._start = self._pos
 
     def record(self) -> tuple[dict, dict]:
         self._cut()
-        return {"size": self._pos, "checksum": self._file.hexdigest()}, self.spans
+        checksum = f"{self._file_crc:08x}" if self._file is None else self._file.hexdigest()
+        return {"size": self._pos, "checksum": checksum}, self.spans
 
     def writable(self) -> bool:
         return True
@@ -183,6 +194,65 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
 
 # ---------------------------------------------------------------------------------------------- load
+class _MemoryReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview, so ``torch.load`` copies straight out of a read buffer."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        dst = memoryview(b).cast("B")
+        n = max(0, min(len(dst), len(self._view) - self._pos))
+        dst[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+class _BufferPool:
+    """Reusable read buffers: a fresh multi-MB allocation costs more in page faults than reading into it.
+
+    Holds at most as many buffers as items are in flight (plus one); items below ``min_bytes`` use plain bytes.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
+        self.min_bytes = min_bytes
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> Optional[bytearray]:
+        if n < self.min_bytes:
+            return None
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= n]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return buf
+            if self._free:  # none is large enough: drop the largest, so the pool does not grow
+                self._free.remove(max(self._free, key=len))
+        return bytearray(n)
+
+    def give(self, buf: Optional[bytearray]) -> None:
+        if buf is not None:
+            with self._lock:
+                self._free.append(buf)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader that checks every file against the completion marker and every item as it reads it.
 
@@ -197,13 +267,14 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str, marker: Optional[safety.Marker] = None, *,
                  verified: Optional[Iterable[str]] = None, checksum: bool = True,
-                 io_threads: int = 2, readahead_bytes: int = 128 << 20) -> None:
+                 io_threads: int = 1, readahead_items: int = 1, readahead_bytes: int = 256 << 20) -> None:
         super().__init__(path)
         self.ckpt_dir = str(path)
         self.marker = marker if marker is not None else safety.read_marker(self.ckpt_dir)
         self.verified = set(verified or ())
         self.checksum = checksum
         self.io_threads = max(1, int(io_threads))
+        self.readahead_items = max(0, int(readahead_items))
         self.readahead_bytes = int(readahead_bytes)
         self._metadata: Optional[Metadata] = None
 
@@ -258,30 +329,33 @@ class SafeFileSystemReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _fetch(self, name: str, index: Any, offset: int, length: int) -> bytes:
-        """The verified bytes of one storage item (runs in a pool thread)."""
+    def _fetch(self, name: str, index: Any, offset: int, length: int, pool: _BufferPool) -> tuple[Any, memoryview]:
+        """Read and verify one storage item (runs in a pool thread): ``(buffer to give back, its bytes)``."""
         path = os.path.join(self.ckpt_dir, name)
-        chunks = []
+        buf = pool.take(length)
+        view = memoryview(buf if buf is not None else bytearray(length))[:length]
         got = 0
-        with open(path, "rb", buffering=0) as f:
-            f.seek(offset)
-            while got < length:
-                b = f.read(length - got)  # one read() returns at most ~2 GB
-                if not b:
-                    break
-                chunks.append(b)
-                got += len(b)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        what = f"item {index.fqn!r}" + (f" (chunk at {list(index.offset)})" if getattr(index, "offset", None) else "")
-        if len(data) != length:
-            safety.raise_problems(self.ckpt_dir, [f"{path}: truncated: {what} ends at byte {offset + length}, the "
-                                                  f"file ends at {offset + len(data)}"])
-        expected = self.marker.items[name][(offset, length)]
-        actual = safety.bytes_checksum(data, self.marker.algorithm)
-        if actual != expected:
-            safety.raise_problems(self.ckpt_dir, [safety.item_problem(path, what, offset, length, self.marker.algorithm,
-                                                                      actual, expected)])
-        return data
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                while got < length:
+                    n = f.readinto(view[got:])  # one read returns at most ~2 GB
+                    if not n:
+                        break
+                    got += n
+            what = f"item {index.fqn!r}" + (f" (chunk at {list(index.offset)})" if getattr(index, "offset", None) else "")
+            if got != length:
+                safety.raise_problems(self.ckpt_dir, [f"{path}: truncated: {what} ends at byte {offset + length}, the "
+                                                      f"file ends at {offset + got}"])
+            expected = self.marker.items[name][(offset, length)]
+            actual = safety.bytes_checksum(view, self.marker.algorithm)
+            if actual != expected:
+                safety.raise_problems(self.ckpt_dir, [safety.item_problem(
+                    path, what, offset, length, self.marker.algorithm, actual, expected)])
+        except BaseException:
+            pool.give(buf)
+            raise
+        return buf, view
 
     def _read_items(self, name: str, reqs: list, planner) -> None:
         groups: dict[Any, list] = {}
@@ -290,33 +364,38 @@ class SafeFileSystemReader(FileSystemReader):
         tasks = sorted(groups.items(), key=lambda kv: int(self.storage_data[kv[0]].offset))
         pending: collections.deque = collections.deque()
         nxt, inflight = 0, 0
+        buffers = _BufferPool()
         pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="megashard-ckpt-read")
         try:
             while nxt < len(tasks) or pending:
-                while nxt < len(tasks) and (not pending or inflight < self.readahead_bytes):
+                while nxt < len(tasks) and (not pending or (len(pending) <= self.readahead_items
+                                                             and inflight < self.readahead_bytes)):
                     index = tasks[nxt][0]
                     info = self.storage_data[index]
                     size = int(info.length)
-                    pending.append((nxt, size, pool.submit(self._fetch, name, index, int(info.offset), size)))
+                    pending.append((nxt, size, pool.submit(self._fetch, name, index, int(info.offset), size, buffers)))
                     inflight += size
                     nxt += 1
                 i, size, fut = pending.popleft()
-                data = fut.result()
+                buf, view = fut.result()
                 inflight -= size
-                self._deliver(data, tasks[i][1], planner)
+                try:
+                    self._deliver(view, tasks[i][1], planner)
+                finally:
+                    buffers.give(buf)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
-    def _deliver(data: bytes, reqs: list, planner) -> None:
-        """Hand one verified item to the planner, as DCP's reader does (BytesIO shares ``data``, no copy)."""
+    def _deliver(data: memoryview, reqs: list, planner) -> None:
+        """Hand one verified item to the planner, as DCP's reader does (``torch.load`` copies out of ``data``)."""
         tensor = None
         for req in reqs:
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(data))
+                planner.load_bytes(req, io.BytesIO(data.tobytes()))
                 continue
             if tensor is None:
-                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = torch.load(_MemoryReader(data), map_location="cpu", weights_only=True)
             part = dcp_narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != part.size():
