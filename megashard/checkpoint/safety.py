@@ -268,10 +268,10 @@ def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str, items: O
     })
 
 
-def _tiles(items: dict, size: int) -> bool:
-    """True if the ``(offset, length)`` keys cover bytes ``0..size`` exactly, in order, without gaps."""
+def spans_tile(spans: Iterable[tuple[int, int]], size: int) -> bool:
+    """True if the ``(offset, length)`` spans cover bytes ``0..size`` exactly, without gaps or overlaps."""
     pos = 0
-    for off, n in sorted(items):
+    for off, n in sorted(spans):
         if off != pos or n < 0:
             return False
         pos += n
@@ -295,7 +295,7 @@ def read_marker(ckpt_dir: str) -> Marker:
             files[name] = {"size": int(v["size"]), "checksum": str(v["checksum"])}
             if v.get("items"):
                 table = {(int(o), int(n)): str(c) for o, n, c in v["items"]}
-                if not _tiles(table, files[name]["size"]):
+                if not spans_tile(table, files[name]["size"]):
                     raise ValueError(f"the items of {name!r} do not cover its {files[name]['size']} bytes")
                 items[name] = table
         algorithm = str(obj["algorithm"])

@@ -135,6 +135,9 @@ class _HashingStream:
     def writable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:  # the spans assume sequential writes; a writer that seeks fails loudly (no seek())
+        return False
+
     def flush(self) -> None:
         self._raw.flush()
 
@@ -188,7 +191,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         for name, (record, spans) in self.fs.records.items():
             files[name] = record
             want = sorted(set(by_file.get(name, ())))
-            if want and all(w in spans for w in want) and safety._tiles(dict.fromkeys(want), record["size"]):
+            if want and all(w in spans for w in want) and safety.spans_tile(want, record["size"]):
                 items[name] = [(o, n, spans[(o, n)]) for o, n in want]
         return files, items
 
