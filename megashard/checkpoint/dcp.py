@@ -504,7 +504,7 @@ def save(
     items: dict = {}
     err = None
     try:
-        records, items = writer.checksums(metadata)
+        records, items = writer.checksums(metadata, rank)
         own = [_write_rank_state(tmp, rank, data_state)] + ([DCP_METADATA] if rank == 0 else [])
         records.update({f: safety.file_record(os.path.join(tmp, f), checksum) for f in own})
     except Exception as e:  # noqa: BLE001

@@ -180,7 +180,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem(algorithm)
 
-    def checksums(self, metadata: Optional[Metadata]) -> tuple[dict, dict]:
+    def checksums(self, metadata: Optional[Metadata], rank: int) -> tuple[dict, dict]:
         """``(files, items)`` of the data files this rank wrote: ``files[name]`` = ``{"size", "checksum"}``;
         ``items[name]`` = ``[(offset, length, checksum), ...]`` of the DCP storage items in ``name``, for every
         file whose items (from the save's ``metadata``) match the hashed spans and tile the file."""
@@ -188,6 +188,9 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         for info in (getattr(metadata, "storage_data", None) or {}).values():
             by_file[info.relative_path].append((int(info.offset), int(info.length)))
         files, items = {}, {}
+        for name in by_file:  # a file of this rank DCP wrote past the hashing stream: hashed from disk, whole
+            if name not in self.fs.records and name.startswith(f"__{rank}_"):
+                files[name] = safety.file_record(os.path.join(str(self.path), name), self.fs.algorithm)
         for name, (record, spans) in self.fs.records.items():
             files[name] = record
             want = sorted(set(by_file.get(name, ())))
