@@ -149,6 +149,38 @@ def dcp_metadata_global_allowed(module: str, name: str) -> bool:
     return False
 
 
+def dcp_metadata_enum_member(owner, name):
+    """``owner[name]`` if ``owner`` is an Enum class :func:`dcp_metadata_global_allowed` admits and ``name``
+    one of its members, else None.
+
+    Python 3.11.0-3.11.4 (e.g. Debian's 3.11.2) pickle an Enum member as ``getattr(EnumClass, name)``,
+    so DCP metadata written there references ``builtins.getattr``. A restricted unpickler resolves that
+    call through this function: attribute lookup only for members of allow-listed DCP Enum classes
+    (``_MEM_FORMAT_ENCODING``, ``WriteItemType``, ...), never methods, dunders or anything else.
+    """
+    import enum
+    import importlib
+
+    if not (isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str)):
+        return None
+    module, qualname = getattr(owner, "__module__", None), getattr(owner, "__qualname__", None)
+    if not (isinstance(module, str) and isinstance(qualname, str) and dcp_metadata_global_allowed(module, qualname)):
+        return None
+    try:  # the class must be the one its module exports under that name (not a look-alike)
+        if getattr(importlib.import_module(module), qualname) is not owner:
+            return None
+    except (ImportError, AttributeError):
+        return None
+    return owner.__members__.get(name)
+
+
+def dcp_narrow_tensor_by_index(tensor, offsets, sizes):
+    """DCP's ``narrow_tensor_by_index``: the part of a saved chunk that a read item asks for."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    return narrow_tensor_by_index(tensor, offsets, sizes)
+
+
 # --- DTensor local shard without autograd (used by megashard.tensors.uneven) -----------------------
 def dtensor_local(dtensor) -> torch.Tensor:
     """The local shard of a DTensor without going through ``to_local()``'s autograd Function.

@@ -163,7 +163,7 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
         epilog=(
             "examples:\n"
             "  megashard ckpt inspect out/checkpoints                 # newest complete checkpoint\n"
-            "  megashard ckpt inspect out/checkpoints/step_00000100 --verify --format json\n"
+            "  megashard ckpt inspect out/checkpoints/step_00000100 --format json --no-verify\n"
             "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
             "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
         ),
@@ -172,12 +172,15 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
     cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
     i = cmds.add_parser(
-        "inspect", help="layout it was saved with, keys, shapes, dtypes, sizes, writers",
-        description="Describe a checkpoint without loading its tensors (DIR: a checkpoint or a root of step_N checkpoints).",
+        "inspect", help="layout it was saved with, keys, shapes, dtypes, sizes, writers; verifies every file",
+        description="Describe a checkpoint without loading its tensors (DIR: a checkpoint or a root of step_N "
+        "checkpoints), after checking every file against the checksums recorded when it was saved.",
+        epilog="exit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint",
     )
     i.add_argument("dir", metavar="DIR", help="checkpoint directory, or a root (its newest complete checkpoint)")
     i.add_argument("--format", "-f", choices=("table", "json"), default="table")
-    i.add_argument("--verify", action="store_true", help="recompute every file's checksum (reads all data)")
+    i.add_argument("--no-verify", action="store_true", help="compare file sizes only, do not read the data")
+    i.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
     i.set_defaults(handler=_cmd_ckpt_inspect, parser=i)
     c = cmds.add_parser(
         "consolidate", help="write the full (unsharded) tensors into one torch.save file",
@@ -194,8 +197,13 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     from megashard.checkpoint.consolidate import format_info, info_to_dict, inspect_checkpoint
+    from megashard.errors import CheckpointCorruptedError
 
-    info = inspect_checkpoint(args.dir, verify=args.verify, progress=args.verify)
+    try:
+        info = inspect_checkpoint(args.dir, verify=not args.no_verify, progress=not args.no_verify and sys.stderr.isatty())
+    except CheckpointCorruptedError as e:  # marker, .metadata or megashard.json damaged: nothing to describe
+        print(f"megashard ckpt inspect: damaged: {e}", file=sys.stderr)
+        return 1
     if args.format == "json":
         sys.stdout.write(json.dumps(info_to_dict(info)) + "\n")
     else:

@@ -147,11 +147,13 @@ def _siblings(root: str, ckpt: str) -> list:
     return out
 
 
-def inspect_checkpoint(path: str, *, verify: bool = False, progress: bool = False) -> CheckpointInfo:
+def inspect_checkpoint(path: str, *, verify: bool = True, progress: bool = False) -> CheckpointInfo:
     """Describe a checkpoint (``path`` or the newest complete one under it) without loading tensors.
 
-    ``verify=True`` also recomputes every file's checksum; problems are listed in ``info.problems``
-    rather than raised. Sizes of files are always compared with the marker.
+    ``verify=True`` (default) recomputes every file's checksum (whole files, as recorded in the marker);
+    problems with data files are listed in ``info.problems`` rather than raised. Sizes are always compared
+    with the marker. A damaged, truncated or missing ``.metadata`` / ``megashard.json`` (nothing else can
+    be described then) or completion marker raises :class:`~megashard.errors.CheckpointCorruptedError`.
     """
     ckpt = os.path.abspath(safety.resolve_checkpoint(path))
     marker = safety.read_marker(ckpt)
@@ -286,15 +288,19 @@ def load_full_state_dict(
     Args:
         path: a checkpoint directory or a root (its newest complete checkpoint).
         keys: flattened keys (e.g. ``"model.up.weight"``) or prefixes of them to load (default: all).
-        verify: check every file's checksum first (sizes are always checked).
+        verify: verify what is read against the checksums in the marker (per DCP storage item, as it is read;
+            whole files first for checkpoints without item checksums). Sizes are always checked.
         progress: show progress bars on stderr.
         batch_bytes: tensors are read in batches of about this many bytes (one progress step each).
     """
     ckpt = os.path.abspath(safety.resolve_checkpoint(path))
     marker = safety.read_marker(ckpt)
-    bar = Progress(marker.total_bytes, "verify     ", enabled=progress and verify)
-    safety.raise_problems(ckpt, safety.verify_files(ckpt, marker, checksum=verify, progress=bar.update))
+    # Files with per-item checksums: sizes now, every item verified as it is read below. Others: hashed now.
+    hashed = [n for n in sorted(marker.files) if n not in marker.items]
+    bar = Progress(sum(marker.files[n]["size"] for n in hashed), "verify     ", enabled=progress and verify)
+    problems = safety.verify_files(ckpt, marker, hashed, checksum=verify, progress=bar.update)
     bar.close()
+    safety.raise_problems(ckpt, problems + safety.verify_files(ckpt, marker, sorted(marker.items), checksum=False))
     reader = SafeFileSystemReader(ckpt, marker, verified=marker.files, checksum=verify)
     md = reader.read_metadata()
 

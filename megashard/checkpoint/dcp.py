@@ -20,8 +20,10 @@ held by several ranks; :class:`MegashardSavePlanner` gives each to exactly one h
 bytes per rank with :func:`megashard.checkpoint.exchange.distribute_shards_to_ranks`.
 
 Crash safety (temporary directory, completion marker with checksums, retention) is in
-:mod:`megashard.checkpoint.safety`. Non-tensor data is never unpickled freely: DCP's ``.metadata`` goes
-through a restricted unpickler and every other object through ``torch.load(weights_only=True)``.
+:mod:`megashard.checkpoint.safety`; hashing while writing and verifying while reading (every DCP storage
+item against its checksum in the marker) in :mod:`megashard.checkpoint.storage`. Non-tensor data is never
+unpickled freely: DCP's ``.metadata`` goes through a restricted unpickler and every other object through
+``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -31,30 +33,29 @@ import heapq
 import io
 import logging
 import os
-import pickle
 import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from megashard._compat import (
-    dcp_flatten_state_dict,
-    dcp_load_state_dict,
-    dcp_metadata_global_allowed,
-    dcp_set_element,
-)
+from megashard._compat import dcp_flatten_state_dict, dcp_load_state_dict, dcp_set_element
 from megashard.checkpoint import safety
 from megashard.checkpoint.exchange import distribute_shards_to_ranks
+from megashard.checkpoint.storage import (  # noqa: F401  (re-exported: part of this module's API)
+    DCP_METADATA,
+    ChecksummingFileSystemWriter,
+    SafeFileSystemReader,
+    load_dcp_metadata,
+)
 from megashard.errors import CheckpointCorruptedError, CheckpointError, MegashardError
 
 __all__ = [
@@ -70,8 +71,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("megashard.checkpoint")
-
-DCP_METADATA = ".metadata"
 
 _TEST_HOOK = None  # tests: called with a stage name ("after_data", "before_commit") on every rank
 
@@ -142,7 +141,7 @@ class MegashardSavePlanner(DefaultSavePlanner):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Load side: weights-only objects, restricted metadata unpickling, checksum-verified reads
+# Load side: weights-only objects (the verified reader is in megashard.checkpoint.storage)
 # ---------------------------------------------------------------------------------------------------
 def _load_weights_only(value: io.BytesIO, what: str) -> Any:
     try:
@@ -168,80 +167,6 @@ class _WeightsOnlyBytes:
 
 class MegashardLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
     """DCP's default load planner with weights-only loading of non-tensor items."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if dcp_metadata_global_allowed(module, name):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not a DCP metadata class")
-
-
-def load_dcp_metadata(path: str) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file, allowing only DCP's metadata classes, sizes and dtypes.
-
-    Raises :class:`CheckpointCorruptedError` naming the file if it is damaged or references anything else
-    (a crafted file cannot run code).
-    """
-    try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointCorruptedError(f"{path}: DCP metadata file is missing") from None
-    except Exception as e:  # noqa: BLE001 - pickle raises many types on damaged input
-        raise CheckpointCorruptedError(
-            f"{path}: DCP metadata cannot be read safely ({type(e).__name__}: {e}); megashard unpickles only DCP's "
-            "metadata classes, never arbitrary objects from disk"
-        ) from None
-    if not isinstance(md, Metadata):
-        raise CheckpointCorruptedError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader that checks every file against the completion marker before reading it.
-
-    Args:
-        path: the checkpoint directory.
-        marker: its :class:`~megashard.checkpoint.safety.Marker` (default: read it).
-        verified: relative paths already checked (e.g. by other ranks); others are checked on first use.
-        checksum: recompute checksums (True) or compare sizes only (False).
-    """
-
-    def __init__(self, path: str, marker: Optional[safety.Marker] = None, *,
-                 verified: Optional[Iterable[str]] = None, checksum: bool = True) -> None:
-        super().__init__(path)
-        self.ckpt_dir = str(path)
-        self.marker = marker if marker is not None else safety.read_marker(self.ckpt_dir)
-        self.verified = set(verified or ())
-        self.checksum = checksum
-        self._metadata: Optional[Metadata] = None
-
-    def _ensure_verified(self, names: Sequence[str]) -> None:
-        todo = [n for n in names if n not in self.verified]
-        if todo:
-            safety.raise_problems(self.ckpt_dir, safety.verify_files(self.ckpt_dir, self.marker, todo, checksum=self.checksum))
-            self.verified.update(todo)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: megashard never writes it
-            raise CheckpointCorruptedError(f"{os.path.join(self.ckpt_dir, DCP_METADATA)}: DCP metadata file is missing")
-        if self._metadata is not None:  # unpickled once per reader (offline tools load in several passes)
-            return self._metadata
-        self._ensure_verified([DCP_METADATA])
-        md = load_dcp_metadata(os.path.join(self.ckpt_dir, DCP_METADATA))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        try:
-            md.storage_meta.load_id = self.load_id
-        except AttributeError:  # pragma: no cover - older StorageMeta
-            pass
-        self._metadata = md
-        return md
-
-    def read_data(self, plan, planner):
-        self._ensure_verified(sorted({self.storage_data[it.storage_index].relative_path for it in plan.items}))
-        return super().read_data(plan, planner)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,8 +234,8 @@ def _as_list(optimizer) -> list:
     return list(optimizer)
 
 
-def _collect(model, optimizer, extra: Optional[dict]) -> dict:
-    """``{"model": ..., "optim": ..., "extra": ...}`` with DCP's own (FQN-keyed, sharded) state dicts."""
+def _collect(model, optimizer, extra: Optional[dict], sections: Optional[dict] = None) -> dict:
+    """``{"model": ..., "optim": ..., "extra": ..., **sections}`` with DCP's own (FQN-keyed, sharded) state dicts."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     opts = _as_list(optimizer)
@@ -327,8 +252,18 @@ def _collect(model, optimizer, extra: Optional[dict]) -> dict:
             raise CheckpointError(f"state_dict= must be a dict of tensors / DTensors / small values, got {type(extra).__name__}")
         _check_weights_only(_without_tensors(extra), "state_dict= (its non-tensor values)")
         sd["extra"] = extra
+    for name, section in (sections or {}).items():
+        if not isinstance(name, str) or not name or "." in name or name in sd or name == "extra":
+            raise CheckpointError(
+                f"sections= name {name!r} is not allowed: names must be non-empty strings without '.', other than "
+                f"'extra' and the sections model=/optimizer= fill ({sorted(k for k in sd if k != 'extra')})")
+        if not isinstance(section, dict):
+            raise CheckpointError(f"sections[{name!r}] must be a dict of tensors / DTensors / small values, got "
+                                  f"{type(section).__name__}")
+        _check_weights_only(_without_tensors(section), f"sections[{name!r}] (its non-tensor values)")
+        sd[name] = section
     if not sd:
-        raise CheckpointError("nothing to checkpoint: pass model= (and optimizer=) or state_dict=")
+        raise CheckpointError("nothing to checkpoint: pass model= (and optimizer=), state_dict= or sections=")
     return sd
 
 
@@ -471,6 +406,7 @@ def save(
     optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None] = None,
     *,
     state_dict: Optional[dict] = None,
+    sections: Optional[dict] = None,
     consumed_samples: Optional[int] = None,
     data_state: Any = None,
     keep_last: Optional[int] = None,
@@ -487,11 +423,15 @@ def save(
         step: training step (same on every rank).
         model / optimizer: saved with DCP's ``get_state_dict`` (FSDP2, TP, HSDP DTensors, uneven shards).
         state_dict: more state saved under ``"extra"`` (tensors, DTensors, small values).
+        sections: named top-level sections saved as given, e.g. ``{"model": {...}, "optim": {...}}`` from a
+            training loop that builds its own (global DTensor) state dict; the consolidated file
+            (:func:`megashard.checkpoint.consolidate.consolidate`) then holds ``full["model"]`` etc.
         consumed_samples: global number of samples consumed so far (layout independent; used to
             recompute the data position when the data-parallel size changes).
         data_state: this rank's data-loader state (tensors / numbers / strings / containers).
         keep_last: after saving, delete all but the newest ``keep_last`` complete checkpoints.
-        checksum: ``"crc32"`` (default, fastest; detects accidental damage) or ``"sha256"``; recorded in the marker.
+        checksum: ``"crc32"`` (default, fastest; detects accidental damage) or ``"sha256"``: the digest of every
+            file and of every DCP storage item, computed as the bytes are written and recorded in the marker.
         overwrite: replace an existing checkpoint of the same step (else CheckpointError).
         parallel_state: the ParallelState whose layout is recorded (default: the current one, if any).
         sync_files: fsync every file (needed for crash safety; False only for benchmarks / tests).
@@ -516,7 +456,7 @@ def save(
     try:
         if data_state is not None:
             _check_weights_only(data_state, "data_state")
-        sd = _collect(model, optimizer, state_dict)
+        sd = _collect(model, optimizer, state_dict, sections)
     except Exception as e:  # noqa: BLE001
         err = e
     if _dist_on() and world > 1:
@@ -550,7 +490,7 @@ def save(
     # Phase 1: DCP writes the tensors, each replicated shard by one of its holders.
     _preprocess(sd)
     planner = MegashardSavePlanner()
-    writer = FileSystemWriter(tmp, sync_files=sync_files, thread_count=thread_count)
+    writer = ChecksummingFileSystemWriter(tmp, checksum, sync_files=sync_files, thread_count=thread_count)
     try:
         with warnings.catch_warnings():  # DCP warns that a single process is assumed: that is intended here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -559,40 +499,39 @@ def save(
         raise _unwrap(e) from None
     _hook("after_data")
 
-    # Phase 2: per-rank state, then every rank checksums the files it wrote itself (still in its page cache).
+    # Phase 2: per-rank state; the data files were hashed (whole and per item) as they were written.
     records: dict = {}
+    items: dict = {}
     err = None
     try:
-        own = [_write_rank_state(tmp, rank, data_state)]
-        files = ({info.relative_path for info in metadata.storage_data.values()}
-                 if getattr(metadata, "storage_data", None) else set(os.listdir(tmp)))
-        own += sorted(f for f in files if f.startswith(f"__{rank}_"))
-        if rank == 0:
-            own.append(DCP_METADATA)
-        records = {f: safety.file_record(os.path.join(tmp, f), checksum) for f in own}
+        records, items = writer.checksums(metadata, rank)
+        own = [_write_rank_state(tmp, rank, data_state)] + ([DCP_METADATA] if rank == 0 else [])
+        records.update({f: safety.file_record(os.path.join(tmp, f), checksum) for f in own})
     except Exception as e:  # noqa: BLE001
         err = e
-    gathered = _gather_to_0((records, data_state is not None, _portable(err)))
+    gathered = _gather_to_0((records, items, data_state is not None, _portable(err)))
 
     # Phase 3: rank 0 writes the layout file, then the marker (last), and publishes the directory by renaming it.
     result: Any = None
     if rank == 0:
         try:
-            for r, (_, _, e) in enumerate(gathered):
+            for r, (_, _, _, e) in enumerate(gathered):
                 if e is not None:
                     raise e if r == 0 else type(e)(f"(raised on rank {r}) {e}")
             all_records: dict = {}
-            for recs, _, _ in gathered:
+            all_items: dict = {}
+            for recs, its, _, _ in gathered:
                 all_records.update(recs)
+                all_items.update(its)
             safety.write_json_atomic(os.path.join(tmp, safety.LAYOUT_FILE), {
                 "format": safety.FORMAT, "version": safety.FORMAT_VERSION, "step": step,
                 "consumed_samples": consumed_samples, "layout": _layout_record(st, world),
                 "sections": {k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()},
-                "has_data_state": any(h for _, h, _ in gathered), "torch": torch.__version__,
+                "has_data_state": any(h for _, _, h, _ in gathered), "torch": torch.__version__,
                 "megashard": _megashard_version(), "created": time.time(),
             })
             all_records[safety.LAYOUT_FILE] = safety.file_record(os.path.join(tmp, safety.LAYOUT_FILE), checksum)
-            safety.write_marker(tmp, step, all_records, checksum)
+            safety.write_marker(tmp, step, all_records, checksum, all_items)
             _hook("before_commit")
             safety.commit_checkpoint(tmp, final, overwrite=overwrite)
             removed = safety.apply_retention(root, keep_last) if keep_last is not None else []
@@ -669,17 +608,25 @@ class LoadReport:
 
 
 def _verify_distributed(ckpt: str, marker: safety.Marker, checksum: bool) -> set:
-    """Check every file once, the work spread over the ranks by size; every rank raises on any problem."""
+    """Check every file once, the work spread over the ranks by bytes hashed; every rank raises on any problem.
+
+    Files with per-item checksums get a size check only: the reader verifies their items as it reads them.
+    Older checkpoints (no item checksums) are hashed whole here, before DCP reads anything.
+    """
     rank, world = _rank_world()
-    names = sorted(marker.files, key=lambda n: (-marker.files[n]["size"], n))
+
+    def cost(n: str) -> int:
+        return 1 if (n in marker.items or not checksum) else marker.files[n]["size"] + 1
+
+    names = sorted(marker.files, key=lambda n: (-cost(n), n))
     heap = [(0, r) for r in range(min(world, len(names)))]  # (bytes so far, rank): a heap already
     mine = []
     for n in names:  # largest file first to the least-loaded rank (ties: lower rank); same answer on every rank
         load_, r = heapq.heappop(heap)
-        heapq.heappush(heap, (load_ + marker.files[n]["size"] + 1, r))
+        heapq.heappush(heap, (load_ + cost(n), r))
         if r == rank:
             mine.append(n)
-    problems = safety.verify_files(ckpt, marker, mine, checksum=checksum)
+    problems = safety.verify_files(ckpt, marker, mine, checksum=checksum, defer_items=True)
     if _dist_on() and world > 1:
         everything: list = [None] * world
         dist.all_gather_object(everything, problems)
@@ -719,6 +666,7 @@ def load(
     optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None] = None,
     *,
     state_dict: Optional[dict] = None,
+    sections: Optional[dict] = None,
     parallel_state=None,
     seed: Optional[int] = None,
     verify: bool = True,
@@ -733,10 +681,18 @@ def load(
         path: a checkpoint directory, or a root: then its newest *complete* checkpoint.
         model / optimizer: loaded in place (any layout: FSDP2, TP, HSDP, plain modules).
         state_dict: the ``"extra"`` state to load in place (same keys as saved).
+        sections: named sections (as saved with ``save(sections=...)``) to load in place. A checkpoint that
+            holds none of them but an ``"extra"`` section (the same dict saved with ``state_dict=``) is read
+            from there.
         parallel_state: the current layout (default: the current ParallelState, if any).
         seed: base seed for re-seeding after a layout change (default: the current config's seed, else the
             saved config's, else 1234).
-        verify: recompute checksums of all files (spread over the ranks) before reading; False checks sizes.
+        verify: verify every byte that is read against the checksums recorded at save time, as it is read
+            (each DCP storage item in a thread pool while the previous one is deserialised; the small files
+            before anything is read; checkpoints without per-item checksums are hashed whole first). False
+            checks file sizes only. A damaged file raises before any of its damaged bytes are used, but
+            tensors read before the damage was found may already hold the checkpoint's values: after a
+            CheckpointCorruptedError, load another checkpoint.
         strict: every requested key must be in the checkpoint (False: load what is there, list the rest).
         restore_rng: restore (or re-seed) RNG states; False leaves the generators alone.
 
@@ -767,7 +723,11 @@ def load(
         info = safety.read_json(os.path.join(ckpt, safety.LAYOUT_FILE), "layout file")
         saved_layout, step = info["layout"], int(info["step"])
         reader = SafeFileSystemReader(ckpt, marker, verified=verified, checksum=verify)
-        sd = _collect(model, optimizer, state_dict)
+        saved_sections = info.get("sections") or {}
+        if sections and state_dict is None and "extra" in saved_sections and not set(sections) & set(saved_sections):
+            sd = _collect(model, optimizer, sections)  # saved with state_dict= (section "extra")
+        else:
+            sd = _collect(model, optimizer, state_dict, sections)
         missing, notes = _precheck(sd, reader.read_metadata(), strict)
     except Exception as e:  # noqa: BLE001
         err = e if isinstance(e, MegashardError) else CheckpointCorruptedError(

@@ -8,14 +8,16 @@ A checkpoint root holds one directory per saved step::
         megashard.json          config and rank layout it was saved with
         rank_state/000000.pt    per-rank RNG and data-loader state
         COMPLETE.json           the completion marker, written last: size and checksum of every file
+                                (and of every DCP storage item in the data files)
       .tmp-step_00000020/       a save in progress (or killed midway): ignored, removed by the next save
       .trash-step_00000002/     being deleted by retention: ignored
 
 Rules: a directory counts as a checkpoint only if its name is ``step_<digits>`` *and* it holds a
 readable marker. The marker is written (and fsynced) inside the temporary directory, which is then
 renamed to its final name in one ``os.rename`` and the root directory fsynced; so a reader sees either
-nothing or the whole checkpoint. Before any data reaches DCP, files are checked against the marker
-(size always, checksum unless disabled): a truncated or altered file raises
+nothing or the whole checkpoint. The marker records every file's size and checksum and, for data files,
+the checksum of every DCP storage item in them; readers check sizes first and checksums as they read
+(:mod:`megashard.checkpoint.storage`): a truncated or altered file raises
 :class:`~megashard.errors.CheckpointCorruptedError` naming it, never a wrong tensor.
 
 This module is pure file handling (no torch.distributed); :mod:`megashard.checkpoint.dcp` decides
@@ -30,7 +32,7 @@ import re
 import shutil
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from megashard.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
@@ -42,12 +44,14 @@ __all__ = [
     "MARKER_FILE",
     "Marker",
     "apply_retention",
+    "bytes_checksum",
     "checkpoint_dirname",
     "cleanup_stale",
     "commit_checkpoint",
     "file_checksum",
     "file_record",
     "list_checkpoints",
+    "new_digest",
     "latest_checkpoint",
     "read_marker",
     "resolve_checkpoint",
@@ -67,27 +71,80 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 8 << 20  # bytes read per hash update
 
 
-def _crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            buf = f.read(_CHUNK)
-            if not buf:
-                break
-            crc = zlib.crc32(buf, crc)
-    return f"{crc:08x}"
+class _Crc32:
+    """zlib's CRC-32 with hashlib's ``update`` / ``hexdigest`` interface (``zlib.crc32`` releases the GIL)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
 
 
-def _hashlib(name: str) -> Callable[[str], str]:
+# CRC-32 of a concatenation from the CRCs of its parts (zlib's crc32_combine, which Python's zlib does not
+# expose): polynomial arithmetic modulo the CRC-32 polynomial, reflected bit order as in zlib.
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo p(x), both 32-bit reflected polynomials."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo p(x), k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+_X8N_CACHE: dict[int, int] = {}
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``."""
+    op = _X8N_CACHE.get(len2)
+    if op is None:  # x^(8 * len2) modulo p(x); lengths repeat (same-shaped shards), so cache them
+        op, n, k = 1 << 31, len2, 3
+        while n:
+            if n & 1:
+                op = _multmodp(_X2N[k & 31], op)
+            n >>= 1
+            k += 1
+        if len(_X8N_CACHE) < 4096:
+            _X8N_CACHE[len2] = op
+    return _multmodp(op, crc1) ^ crc2
+
+
+def new_digest(algorithm: str):
+    """A running digest of ``algorithm`` (``update(bytes)``, ``hexdigest()``)."""
+    _check_algorithm(algorithm)
+    return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
+
+
+def bytes_checksum(data, algorithm: str = "crc32") -> str:
+    """Hex digest of a bytes-like object (what the marker records for a file or one DCP storage item)."""
+    d = new_digest(algorithm)
+    d.update(data)
+    return d.hexdigest()
+
+
+def _file_digest(algorithm: str) -> Callable[[str], str]:
     def digest(path: str) -> str:
-        h = hashlib.new(name)
+        d = new_digest(algorithm)
         with open(path, "rb") as f:
             while True:
                 buf = f.read(_CHUNK)
                 if not buf:
                     break
-                h.update(buf)
-        return h.hexdigest()
+                d.update(buf)
+        return d.hexdigest()
 
     return digest
 
@@ -95,8 +152,8 @@ def _hashlib(name: str) -> Callable[[str], str]:
 #: name -> function(path) -> hex digest. crc32 (default) is the fastest and catches truncation and bit
 #: flips; sha256 is a cryptographic digest, e.g. to compare with digests kept outside the checkpoint.
 CHECKSUM_ALGORITHMS: dict[str, Callable[[str], str]] = {
-    "sha256": _hashlib("sha256"),
-    "crc32": _crc32,
+    "sha256": _file_digest("sha256"),
+    "crc32": _file_digest("crc32"),
 }
 
 
@@ -174,25 +231,51 @@ def read_json(path: str, what: str) -> dict:
 # ---------------------------------------------------------------------------------------------- marker
 @dataclass(frozen=True)
 class Marker:
-    """Contents of ``COMPLETE.json``: the step and every file's size and checksum."""
+    """Contents of ``COMPLETE.json``: the step, every file's size and checksum, and per-item checksums.
+
+    ``items[name]`` maps ``(offset, length)`` of every DCP storage item of data file ``name`` to the
+    checksum of those bytes (recorded by the writer as it wrote them; absent in checkpoints of older
+    megashard versions and for files whose items do not tile the file). A reader verifies each item as
+    it reads it instead of hashing the whole file first.
+    """
 
     step: int
     algorithm: str
     files: dict  # relative path -> {"size": int, "checksum": str}
     created: float
+    items: dict = field(default_factory=dict)  # relative path -> {(offset, length): checksum}
 
     @property
     def total_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.files.values())
 
 
-def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str) -> None:
-    """Write the completion marker (last file of a save). ``files``: relative path -> :func:`file_record`."""
+def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str, items: Optional[dict] = None) -> None:
+    """Write the completion marker (last file of a save).
+
+    ``files``: relative path -> :func:`file_record`; ``items``: relative path -> ``[(offset, length,
+    checksum), ...]`` of the DCP storage items in that file (they must tile it: bytes 0..size, no gap).
+    """
     _check_algorithm(algorithm)
+    records = {}
+    for k in sorted(files):
+        records[k] = dict(files[k])
+        if items and items.get(k):
+            records[k]["items"] = [[int(o), int(n), str(c)] for o, n, c in sorted(items[k])]
     write_json_atomic(os.path.join(ckpt_dir, MARKER_FILE), {
         "format": FORMAT, "version": FORMAT_VERSION, "step": step, "algorithm": algorithm,
-        "created": time.time(), "files": {k: files[k] for k in sorted(files)},
+        "created": time.time(), "files": records,
     })
+
+
+def spans_tile(spans: Iterable[tuple[int, int]], size: int) -> bool:
+    """True if the ``(offset, length)`` spans cover bytes ``0..size`` exactly, without gaps or overlaps."""
+    pos = 0
+    for off, n in sorted(spans):
+        if off != pos or n < 0:
+            return False
+        pos += n
+    return pos == size
 
 
 def read_marker(ckpt_dir: str) -> Marker:
@@ -204,13 +287,20 @@ def read_marker(ckpt_dir: str) -> Marker:
             raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
         if int(obj.get("version", 0)) > FORMAT_VERSION:
             raise ValueError(f"format version {obj['version']} is newer than this megashard reads ({FORMAT_VERSION})")
-        files = {str(k): {"size": int(v["size"]), "checksum": str(v["checksum"])} for k, v in obj["files"].items()}
-        for name in files:
+        files, items = {}, {}
+        for k, v in obj["files"].items():
+            name = str(k)
             if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
                 raise ValueError(f"file entry {name!r} points outside the checkpoint directory")
+            files[name] = {"size": int(v["size"]), "checksum": str(v["checksum"])}
+            if v.get("items"):
+                table = {(int(o), int(n)): str(c) for o, n, c in v["items"]}
+                if not spans_tile(table, files[name]["size"]):
+                    raise ValueError(f"the items of {name!r} do not cover its {files[name]['size']} bytes")
+                items[name] = table
         algorithm = str(obj["algorithm"])
         _check_algorithm(algorithm)
-        return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)))
+        return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)), items)
     except (KeyError, TypeError, ValueError, CheckpointError) as e:
         raise CheckpointCorruptedError(f"completion marker {path} is malformed: {e}") from None
 
@@ -237,12 +327,19 @@ def _check_one(ckpt_dir: str, name: str, record: dict, algorithm: str, checksum:
     return None
 
 
+def item_problem(path: str, what: str, offset: int, length: int, algorithm: str, actual: str, expected: str) -> str:
+    """The problem line of a DCP storage item whose bytes do not match the marker."""
+    return (f"{path}: {algorithm} checksum {actual} of {what} (bytes {offset}..{offset + length}) does not match "
+            f"{expected} recorded when the checkpoint was completed (the file was altered or corrupted)")
+
+
 def verify_files(
     ckpt_dir: str,
     marker: Marker,
     names: Optional[Iterable[str]] = None,
     *,
     checksum: bool = True,
+    defer_items: bool = False,
     progress: Optional[Callable[[int], None]] = None,
 ) -> list[str]:
     """Check files of a checkpoint against its marker; returns one problem description per bad file.
@@ -251,6 +348,8 @@ def verify_files(
         names: relative paths to check (default: every file in the marker); names the marker does not
             list are reported as problems.
         checksum: also recompute checksums (reads the files); False checks sizes only.
+        defer_items: files with per-item checksums (``marker.items``) get only their size checked here:
+            their items are verified as they are read (:class:`megashard.checkpoint.storage.SafeFileSystemReader`).
         progress: called with the bytes of each file once it is checked.
     """
     problems = []
@@ -259,7 +358,7 @@ def verify_files(
         if record is None:
             problems.append(f"{os.path.join(ckpt_dir, name)}: not listed in the completion marker")
             continue
-        p = _check_one(ckpt_dir, name, record, marker.algorithm, checksum)
+        p = _check_one(ckpt_dir, name, record, marker.algorithm, checksum and not (defer_items and name in marker.items))
         if p:
             problems.append(p)
         if progress is not None:
@@ -268,17 +367,22 @@ def verify_files(
 
 
 def raise_problems(ckpt_dir: str, problems: Sequence[str]) -> None:
-    """Raise one CheckpointCorruptedError listing ``problems`` (no-op if empty)."""
+    """Raise one CheckpointCorruptedError listing ``problems`` (no-op if empty).
+
+    The error's ``problems`` attribute holds the list (one line per damaged file or item).
+    """
     if not problems:
         return
     older = [e.path for e in list_checkpoints(os.path.dirname(os.path.abspath(ckpt_dir))) if e.complete
              and os.path.abspath(e.path) != os.path.abspath(ckpt_dir)]
     hint = f" Older complete checkpoints: {older[-3:]}." if older else ""
     shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-    raise CheckpointCorruptedError(
+    err = CheckpointCorruptedError(
         f"checkpoint {ckpt_dir} is damaged, refusing to load it: {shown}. Restore the file(s) from a copy or "
         f"load another checkpoint.{hint}"
     )
+    err.problems = list(problems)
+    raise err
 
 
 # ---------------------------------------------------------------------------------------------- listing

@@ -6,22 +6,34 @@ saving resumes from the previous complete one.
 
 What is stored is layout-independent: every parameter and AdamW moment as a DTensor of the *global*
 tensor (see :func:`megashard.train.parallelize.global_dtensor`: this rank's FSDP shard of its TP slice,
-placed on ``state.fsdp_mesh``), plus AdamW's step count, under the checkpoint's ``extra`` section.
+placed on ``state.fsdp_mesh``), plus AdamW's step count, in the checkpoint's sections ``model``
+(parameter name → tensor) and ``optim`` (``<name>.exp_avg``, ``<name>.exp_avg_sq``, ``<name>.step``), so
+``megashard ckpt consolidate`` gives ``full["model"]`` that loads into a plain model. (Checkpoints of
+earlier versions hold the same two dicts under ``extra``; they load as well.)
 Loading builds the same keys for the current layout and DCP reads each rank's part, so a run saved at
 tp=2 · dp=2 resumes at dp=4 (or any other layout of the same model). The data position is a pure
 function of the step (:mod:`megashard.train.data`) and the RNG is re-seeded from the step, so no
 per-rank loader or generator state is needed.
+
+Resuming (:func:`resume_checkpoint`): every byte read is verified against the checksums recorded at save
+time. A damaged newest checkpoint is skipped — one line on rank 0 names it, the damaged file and why — and
+the next older one is tried; no process exits, so no torchrun restart is spent. ``checkpoint.load_step`` /
+``checkpoint.load_path`` pick a checkpoint explicitly; a damaged one is then an error (no fallback).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import os
+import sys
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megashard.train.parallelize import global_dtensor, local_tensor
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model", "resume_checkpoint"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -54,7 +66,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
     """
     from megashard.checkpoint import dcp
 
-    return dcp.save(root, step, state_dict=_state_dict(model, optimizer, state, fresh=False),
+    return dcp.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
                     consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32",
                     overwrite=True, parallel_state=state)
 
@@ -70,13 +82,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Load ``path`` (a checkpoint, or a root: its newest complete one) into the parallelized model and
     optimizer of the current layout, whatever layout it was saved with; returns its step.
 
+    Every byte read is verified (a damaged file raises :class:`~megashard.errors.CheckpointCorruptedError`
+    naming it; the model and optimizer are untouched then: the checkpoint is read into new tensors first).
     A checkpoint of another model raises :class:`~megashard.errors.CheckpointError` naming the first
     tensor whose shape differs.
     """
     from megashard.checkpoint import dcp
 
     sd = _state_dict(model, optimizer, state, fresh=True)
-    report = dcp.load(path, state_dict=sd, parallel_state=state, restore_rng=False, verify=False)
+    report = dcp.load(path, sections=sd, parallel_state=state, restore_rng=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local_tensor(p.detach()).copy_(sd["model"][name].to_local())
@@ -96,10 +110,14 @@ def read_full_model(path: str) -> dict[str, torch.Tensor]:
 
     No process group needed: for inspection, exports and tests. Reads the whole checkpoint into memory.
     """
+    from megashard.checkpoint import safety
     from megashard.checkpoint.consolidate import load_full_state_dict
 
-    # Verified files, tensors only, non-tensor items with weights_only=True: nothing unpickled blindly.
-    nested = load_full_state_dict(path, keys={"extra.model"})
+    ckpt = safety.resolve_checkpoint(path)
+    sections = safety.read_json(os.path.join(ckpt, safety.LAYOUT_FILE), "layout file").get("sections") or {}
+    prefix = "model" if "model" in sections else "extra.model"  # earlier versions saved under "extra"
+    # Verified bytes, tensors only, non-tensor items with weights_only=True: nothing unpickled blindly.
+    nested = load_full_state_dict(ckpt, keys={prefix})
     flat: dict[str, torch.Tensor] = {}
 
     def walk(node: Any, key: str) -> None:
@@ -110,5 +128,67 @@ def read_full_model(path: str) -> dict[str, torch.Tensor]:
             flat[key] = node
 
     walk(nested, "")
-    prefix = "extra.model."
-    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    return {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+
+
+def _say(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _why(e: BaseException) -> str:
+    """The first damaged file (or item) and what is wrong with it, from a CheckpointCorruptedError."""
+    problems = getattr(e, "problems", None)
+    if problems:
+        return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    return str(e).split(" Restore the file(s)")[0]
+
+
+def resume_checkpoint(job: Any, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> tuple[Optional[str], int]:
+    """Load the checkpoint the job starts from (all ranks call); returns ``(path, step)``, or ``(None, 0)``.
+
+    * ``checkpoint.load_step`` / ``checkpoint.load_path`` set: exactly that checkpoint. If it is damaged,
+      :class:`~megashard.errors.CheckpointCorruptedError` says so — no fallback, the user asked for it.
+    * otherwise, with ``train.resume``: the newest complete checkpoint of ``checkpoint_dir`` that verifies. A
+      damaged one is skipped with one line on rank 0 (which checkpoint, which file, why) and the next older
+      one is tried; if none verifies, CheckpointCorruptedError lists them.
+    """
+    from megashard.checkpoint import safety
+    from megashard.errors import CheckpointCorruptedError
+
+    root = job.checkpoint_dir
+    requested = job.requested_checkpoint()
+    if requested is not None:
+        key = (f"checkpoint.load_step={job.checkpoint.load_step}" if job.checkpoint.load_step is not None
+               else f"checkpoint.load_path={job.checkpoint.load_path!r}")
+        step = safety.read_marker(requested).step
+        newer = [e.path for e in safety.list_checkpoints(root) if e.complete and e.step > step]
+        if newer:
+            _say(f"megashard run: loading {requested} ({key}); the newer checkpoints "
+                 f"{', '.join(os.path.basename(p) for p in newer)} in {root} will be replaced as this run saves those steps")
+        try:
+            return requested, load_checkpoint(requested, model, optimizer, state)
+        except CheckpointCorruptedError as e:
+            raise CheckpointCorruptedError(
+                f"the requested checkpoint {requested} ({key}) is damaged: {_why(e)}; no other checkpoint is tried "
+                "because this one was asked for: restore the file, or pick another checkpoint (or drop the key to "
+                "resume from the newest that verifies)") from None
+    if not job.train.resume:
+        return None, 0
+    box = [[e.path for e in reversed(safety.list_checkpoints(root)) if e.complete]
+           if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)  # one list for every rank, newest first
+    skipped = []
+    for path in box[0]:
+        try:
+            return path, load_checkpoint(path, model, optimizer, state)
+        except CheckpointCorruptedError as e:
+            skipped.append(path)
+            _say(f"megashard run: skipping damaged checkpoint {os.path.basename(path)}: {_why(e)}; trying the next "
+                 "older one")
+    if skipped:
+        raise CheckpointCorruptedError(
+            f"no checkpoint in {root} verifies ({', '.join(os.path.basename(p) for p in skipped)} are damaged, see "
+            "above): restore the damaged files, or start over with train.resume=false or another checkpoint.dir")
+    return None, 0

@@ -134,6 +134,14 @@ class CheckpointConfig:
     """Complete checkpoints to keep (oldest deleted first); 0 = keep all."""
     dir: Optional[str] = None
     """Checkpoint directory; ``null`` = ``<train.out_dir>/checkpoints``."""
+    load_step: Optional[int] = None
+    """Start from the checkpoint of this step in the checkpoint directory (``<dir>/step_<N>``) instead of the
+    newest one; it must be complete, and if it is damaged the job stops with an error (no fallback). ``null`` =
+    the newest checkpoint that verifies (a damaged newer one is skipped with a note). Exclusive with
+    ``load_path``; needs ``train.resume: true``. Every start of the job, torchrun restarts included, loads it."""
+    load_path: Optional[str] = None
+    """Start from this checkpoint directory (a ``step_<N>`` directory holding ``COMPLETE.json``, e.g. of another
+    run) instead of the newest one in ``dir``; damaged → error, no fallback. Exclusive with ``load_step``."""
 
 
 @dataclass
@@ -345,7 +353,50 @@ class JobConfig:
 
             _need(self.data.path is not None and os.path.isfile(self.data.path),
                   f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
+        self.requested_checkpoint()
         return s
+
+    def requested_checkpoint(self) -> Optional[str]:
+        """The checkpoint ``checkpoint.load_step`` / ``checkpoint.load_path`` asks for (absolute path), or None.
+
+        Raises :class:`ConfigError` (one line: the key, the value, what is there instead) if both are given, if
+        it is not a complete checkpoint, or if its files are missing or truncated (sizes against its marker).
+        """
+        import os
+
+        c = self.checkpoint
+        if c.load_step is None and c.load_path is None:
+            return None
+        from megashard.checkpoint import safety
+        from megashard.errors import CheckpointError
+
+        if c.load_step is not None:
+            key, path = f"checkpoint.load_step={c.load_step}", os.path.join(self.checkpoint_dir, safety.checkpoint_dirname(c.load_step))
+        else:
+            key, path = f"checkpoint.load_path={c.load_path!r}", str(c.load_path)
+        if not safety.is_checkpoint_dir(path):
+            root = self.checkpoint_dir if c.load_step is not None else path
+            steps = [e.step for e in safety.list_checkpoints(root) if e.complete]
+            if c.load_step is not None:
+                there = (f"complete checkpoints in {root}: steps {', '.join(map(str, steps))}" if steps
+                         else f"{root} holds no complete checkpoint")
+                why = "exists but has no COMPLETE.json (its save did not finish)" if os.path.isdir(path) else "does not exist"
+                raise ConfigError(f"{key}: checkpoint {path} {why}; {there}")
+            if steps:
+                why = (f"is a checkpoint root, not a checkpoint: give one of its checkpoints, e.g. "
+                       f"{os.path.join(path, safety.checkpoint_dirname(steps[-1]))}")
+            elif os.path.isdir(path):
+                why = f"is not a complete checkpoint (no {safety.MARKER_FILE}: not saved by megashard, or its save did not finish)"
+            else:
+                why = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"{key} {why}")
+        try:
+            marker = safety.read_marker(path)
+            problems = safety.verify_files(path, marker, checksum=False)
+        except CheckpointError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        _need(not problems, f"{key}: checkpoint {path} is damaged: {'; '.join(problems[:3])}")
+        return os.path.abspath(path)
 
     def _validate_sections(self) -> None:
         m, t, o, d, c, la = self.model, self.train, self.optim, self.data, self.checkpoint, self.launch
@@ -360,6 +411,14 @@ class JobConfig:
                          ("checkpoint.interval", c.interval), ("checkpoint.keep", c.keep),
                          ("launch.max_restarts", la.max_restarts)):
             _need(v >= 0, f"{where}={v} must be >= 0")
+        if c.load_step is not None:
+            _need(c.load_step >= 0, f"checkpoint.load_step={c.load_step} must be >= 0 (a saved step) or null (the newest)")
+        _need(c.load_step is None or c.load_path is None,
+              f"checkpoint.load_step={c.load_step} and checkpoint.load_path={c.load_path!r} are exclusive: give one "
+              "(load_step picks <checkpoint.dir>/step_<N>, load_path any checkpoint directory)")
+        _need(c.load_step is None and c.load_path is None or t.resume,
+              "checkpoint.load_step / checkpoint.load_path load a checkpoint but train.resume=false starts from "
+              "scratch; drop one of them")
         if m.ffn_hidden is not None:
             _need(m.ffn_hidden >= 1, f"model.ffn_hidden={m.ffn_hidden} must be a positive integer or null")
         _need(m.hidden % m.heads == 0, f"model.hidden={m.hidden} must divide by model.heads={m.heads}")

@@ -6,7 +6,8 @@ Per step: lr from the schedule, RNG re-seeded from (seed, step), this rank's bat
 backward through the TP layers and FSDP2, gradient clipping with the norm reduced over the right
 groups (:func:`clip_grad_norm`), AdamW, the global loss averaged over the data-parallel ranks,
 metrics/progress on rank 0, a checkpoint every ``checkpoint.interval`` steps. A run resumes from the
-newest complete checkpoint of its checkpoint directory.
+newest complete checkpoint of its checkpoint directory that verifies (or the one ``checkpoint.load_step`` /
+``checkpoint.load_path`` names).
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
     """
     import megashard.state as ms
     from megashard.random import model_parallel_manual_seed
-    from megashard.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
     from megashard.train.progress import ProgressBar
@@ -191,12 +192,9 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
         model_parallel_manual_seed(seed)
         model, optimizer = build(job, state)
         ckpt_root = job.checkpoint_dir
-        start = 0
-        found = latest_checkpoint(ckpt_root) if t.resume else None
-        if found is not None:
-            start = load_checkpoint(found, model, optimizer, state)
-            if rank == 0:
-                print(f"megashard run: resumed from {found} (step {start})", file=sys.stderr, flush=True)
+        found, start = resume_checkpoint(job, model, optimizer, state)  # newest that verifies, or the requested one
+        if found is not None and rank == 0:
+            print(f"megashard run: resumed from {found} (step {start})", file=sys.stderr, flush=True)
         data = Batches(job.data, job.model, t.global_batch, seed, dp_rank=state.rank_in("dp"), dp_size=sizes.dp,
                        cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=_device(job))
         out_dir = job.out_dir
