@@ -154,6 +154,10 @@ def _write_config(job: JobConfig, path: str) -> None:
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError)."""
     plan = plan_launch(config, overrides)
+    if not dry_run:
+        from megashard.train.data import ensure_corpus
+
+        ensure_corpus(plan.job)  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
     job, s = plan.job, plan.job.validate()
     keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
