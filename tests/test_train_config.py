@@ -243,7 +243,7 @@ def test_data_config_errors(tmp_path):
     from megashard.errors import ConfigError
 
     for overrides, message in [
-        (["data.source=indexed"], "needs exactly one of data.path (one dataset) or data.blend"),
+        (["data.source=indexed"], "needs data.path (one dataset) or data.blend"),
         (["data.source=indexed", "data.blend=[[0.5, a], [0, b]]"], "got the entry [0, 'b']"),
         (["data.source=indexed", "data.blend=[a, b]"], "must be a non-empty list of [weight, path] pairs"),
         (["data.source=indexed", f"data.path={tmp_path}/none"], "none: no such dataset: neither"),

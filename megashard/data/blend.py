@@ -106,19 +106,22 @@ class BlendedSamples:
         return d, self._per_dataset(d, local, "valid")
 
     def _per_dataset(self, d: torch.Tensor, local: torch.Tensor, which: str) -> torch.Tensor:
+        groups = torch.unique(d).tolist()
+        if len(groups) == 1:  # the common case; index_copy_ below (boolean-mask writes are slow on CPU)
+            return getattr(self.splits[groups[0]], which)(local)
         out = torch.empty_like(local)
-        for ds in torch.unique(d).tolist():
-            sel = d == ds
-            out[sel] = getattr(self.splits[ds], which)(local[sel])
+        for ds in groups:
+            pos = torch.nonzero(d == ds).squeeze(1)
+            out.index_copy_(0, pos, getattr(self.splits[ds], which)(local[pos]))
         return out
 
     def tokens(self, d: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """``[n, seq_len + 1]`` tokens of windows ``window`` of datasets ``d``, in order."""
-        out = None
-        for ds in torch.unique(d).tolist():
-            sel = d == ds
-            rows = self.sources[ds].windows(window[sel])
-            if out is None:
-                out = torch.empty(len(d), rows.shape[1], dtype=torch.int64)
-            out[sel] = rows
-        return out if out is not None else torch.empty(0, 0, dtype=torch.int64)
+        groups = torch.unique(d).tolist()
+        if len(groups) == 1:
+            return self.sources[groups[0]].windows(window)
+        out = torch.empty(len(d), self.sources[groups[0]].seq_len + 1, dtype=torch.int64)
+        for ds in groups:
+            pos = torch.nonzero(d == ds).squeeze(1)
+            out.index_copy_(0, pos, self.sources[ds].windows(window[pos]))
+        return out

@@ -261,8 +261,10 @@ class IndexedDatasetBuilder:
                 if lo < info.min or hi > info.max:
                     raise DataError(f"{self.prefix}: token ids {lo}..{hi} do not fit {dtype_name(self.dtype)}")
             return tensor_bytes(t.to(self.dtype)), t.numel()
-        if self.dtype == torch.uint8 and isinstance(tokens, (bytes, bytearray)):
-            return bytes(tokens), len(tokens)
+        if isinstance(tokens, (bytes, bytearray)):  # byte ids (the byte tokenizer): widen without a Python loop
+            if self.dtype == torch.uint8 or not tokens:
+                return bytes(tokens), len(tokens)
+            return tensor_bytes(torch.frombuffer(bytearray(tokens), dtype=torch.uint8).to(self.dtype)), len(tokens)
         arr = array.array(_ARRAY_CODES[self.dtype])
         try:
             arr.extend(tokens)

@@ -82,8 +82,9 @@ class Permutation:
         if bool(((x < 0) | (x >= self.n)).any()):
             raise IndexError(f"permutation index out of [0, {self.n})")
         y = self._encrypt(x)
-        out = y >= self.n
-        while bool(out.any()):  # cycle walking: re-encrypt until inside [0, n)
-            y[out] = self._encrypt(y[out])
-            out = y >= self.n
+        out = torch.nonzero(y >= self.n).squeeze(1)
+        while out.numel():  # cycle walking: re-encrypt until inside [0, n)
+            z = self._encrypt(y[out])
+            y.index_copy_(0, out, z)
+            out = out[z >= self.n]
         return int(y[0]) if scalar else y

@@ -164,6 +164,12 @@ def _tasks(files: list[str], tmp_prefix: str) -> list[_Task]:
 _TOKENIZER: dict[str, Tokenizer] = {}
 
 
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _run_task(args: tuple[_Task, str, str, str]) -> tuple[int, int, int]:
     """Tokenize one task into its partial dataset; returns (documents, tokens, input bytes)."""
     task, spec, key, dtype = args
@@ -194,6 +200,14 @@ def _run_task(args: tuple[_Task, str, str, str]) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- prepare
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _remove_prefix_files(prefix: str) -> None:
     for ext in (".bin", ".idx"):
         if os.path.exists(prefix + ext):
@@ -243,15 +257,22 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         dtype = dtype_name(dtype_for_vocab(tok.vocab_size))
         tasks = _tasks(files, tmp_prefix)
         total = sum(t.end - t.start for t in tasks)
-        from megashard.checkpoint.consolidate import Progress
+        bar = _NoProgress()
+        if progress:  # imported only when drawn: megashard.checkpoint pulls in torch.distributed.tensor (~2 s)
+            from megashard.checkpoint.consolidate import Progress
 
-        bar = Progress(total, "megashard data prepare", enabled=progress)
+            bar = Progress(total, "megashard data prepare")
         args = [(t, spec, text_key, dtype) for t in tasks]
         n = min(workers, len(tasks))
         if n > 1:
             import multiprocessing as mp
 
-            with mp.get_context("spawn").Pool(n) as pool:
+            # fork on Linux: the workers inherit the imported modules (spawn would import torch in each, ~2 s).
+            method = "fork" if sys.platform.startswith("linux") else "spawn"
+            if train_tokenizer:  # the library's threads ran in this process: keep them off in the forked workers
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # torch.set_num_threads(1) first: a forked child using the parent's OpenMP pool would hang.
+            with mp.get_context(method).Pool(n, initializer=_worker_init) as pool:
                 results = []
                 for r in pool.imap(_run_task, args):
                     results.append(r)

@@ -105,10 +105,14 @@ class Split:
         """Windows of training samples ``t`` (int64 tensor, any values ≥ 0: epochs repeat the data)."""
         t = t.to(torch.int64)
         epoch, pos = t // self.num_train, t % self.num_train
-        out = torch.empty_like(t)
-        for e in torch.unique(epoch).tolist():
-            sel = epoch == e
-            out[sel] = self._tau(e)(pos[sel])
+        epochs = torch.unique(epoch).tolist()
+        if len(epochs) == 1:
+            out = self._tau(epochs[0])(pos)
+        else:  # a batch across an epoch boundary (index_copy_: boolean-mask writes are slow on CPU)
+            out = torch.empty_like(t)
+            for e in epochs:
+                at = torch.nonzero(epoch == e).squeeze(1)
+                out.index_copy_(0, at, self._tau(e)(pos[at]))
         return self._sigma(out + self.num_valid)
 
     def valid(self, k: torch.Tensor) -> torch.Tensor:

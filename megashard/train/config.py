@@ -135,8 +135,8 @@ class DataConfig:
     ``PREFIX.idx``, e.g. from ``megashard data prepare``) or a flat token file; the same as ``blend: [[1.0, path]]``.
     Relative to the current directory."""
     blend: Optional[list] = None
-    """``indexed``: several datasets mixed by weight, ``[[weight, path], ...]`` (weights > 0, normalised); instead of
-    ``path``. On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
+    """``indexed``: datasets mixed by weight, ``[[weight, path], ...]`` (weights > 0, normalised). When given it replaces
+    ``path`` (and ``prepare_inputs``). On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
     flat_dtype: str = "uint16"
     """``indexed``: token dtype of flat token files (paths without an ``.idx``): uint8, uint16, int32, ..."""
     valid_fraction: float = 0.0

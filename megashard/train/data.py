@@ -49,12 +49,11 @@ def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed:
 
 
 def data_paths(data: DataConfig) -> list[tuple[float, str]]:
-    """``[(weight, path), ...]`` of ``data.source: indexed`` (``path`` = one dataset of weight 1); a
-    :class:`ConfigError` for a missing or malformed ``path``/``blend``."""
-    if (data.path is None) == (data.blend is None):
-        raise ConfigError("data.source=indexed needs exactly one of data.path (one dataset) or data.blend "
-                          f"([[weight, path], ...]); got path={data.path!r}, blend={data.blend!r}")
-    if data.path is not None:
+    """``[(weight, path), ...]`` of ``data.source: indexed``: ``blend`` when given (it replaces ``path``), else
+    ``path`` as one dataset of weight 1; a :class:`ConfigError` for neither or a malformed ``blend``."""
+    if data.path is None and data.blend is None:
+        raise ConfigError("data.source=indexed needs data.path (one dataset) or data.blend ([[weight, path], ...])")
+    if data.blend is None:
         return [(1.0, data.path)]
     rule = "data.blend must be a non-empty list of [weight, path] pairs with weights > 0, e.g. [[0.7, data/a], [0.3, data/b]]"
     if not isinstance(data.blend, list) or not data.blend:
@@ -82,7 +81,7 @@ def check_corpus(job: JobConfig, tp: int) -> None:
     d, m = job.data, job.model
     seen: dict[str, Any] = {}
     for _, path in data_paths(d):
-        if d.prepare_inputs and path == d.path and not corpus_exists(path):
+        if d.prepare_inputs and d.blend is None and path == d.path and not corpus_exists(path):
             continue  # prepared by the launcher before the workers start, then checked again
         stream = open_tokens(path, d.flat_dtype)
         if stream.num_tokens <= m.seq_len:
@@ -110,7 +109,7 @@ def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:
     from megashard.data.corpus import corpus_exists
 
     d = job.data
-    if d.source != "indexed" or not d.prepare_inputs or d.path is None or corpus_exists(d.path):
+    if d.source != "indexed" or not d.prepare_inputs or d.path is None or d.blend is not None or corpus_exists(d.path):
         return None
     from megashard.data.prepare import prepare
 
