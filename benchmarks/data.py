@@ -10,6 +10,7 @@ Section ``rss``: one rank in its own process — data-parallel rank 3 of 8, ``Ba
 ``data.source: indexed`` — reads its samples of ``--steps`` steps from a dataset several times larger than
 the process; its peak RSS (``ru_maxrss``) against the dataset size (goal: dataset ≥ 10× the rank's RSS,
 i.e. the rank holds only the pages it reads). The in-memory way would need the whole file in every rank.
+Peak RSS is the kernel's ``VmHWM`` of the rank's process (Linux).
 
 Section ``prepare``: MB/s of input text of ``prepare()`` (byte tokenizer; 1 and 2 workers; a trained
 byte-level BPE tokenizer when Hugging Face ``tokenizers`` is installed) against a plain one-process loop
@@ -90,12 +91,17 @@ def bench_read(tmp: str, tokens: int, seq_len: int, batch: int, batches: int) ->
 
 
 _RANK = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, {root!r})
+
+def hwm():  # peak RSS of this process in KiB (VmHWM: unlike ru_maxrss, not inherited from the parent)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+
 import torch
 from megashard.train.config import JobConfig
 from megashard.train.data import Batches
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm()
 job = JobConfig.from_dict({{"model": {{"vocab_size": 50304, "seq_len": {seq_len}}},
                            "data": {{"source": "indexed", "path": {prefix!r}, "valid_fraction": 0.001}}}})
 b = Batches(job.data, job.model, {global_batch}, seed=1234, dp_rank=3, dp_size=8)
@@ -105,7 +111,7 @@ for s in range({steps}):
     x, y = b.batch(s)
     tokens += x.numel()
 dt = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = hwm()
 print(json.dumps({{"rss_after_imports_mb": base / 1024, "peak_rss_mb": peak / 1024, "tokens_read": tokens,
                   "seconds": dt}}))
 """
@@ -201,7 +207,7 @@ def main() -> None:
     try:
         read = bench_read(tmp, tokens=20_000_000 if q else 100_000_000, seq_len=2048, batch=8,
                           batches=100 if q else 400)
-        rss = bench_rss(tmp, tokens=300_000_000 if q else 1_800_000_000, seq_len=2048, steps=50 if q else 200)
+        rss = bench_rss(tmp, tokens=300_000_000 if q else 2_000_000_000, seq_len=2048, steps=50 if q else 200)
         prep = bench_prepare(tmp, mb=16 if q else 64, files=4 if q else 8)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

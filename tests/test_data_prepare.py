@@ -83,10 +83,16 @@ def test_trained_bpe_tokenizer(inputs, tmp_path):
     assert docs == [tok.encode(t) + [0] for t in DOCS]
     assert len(docs[-1]) < len(TEXT2.encode()) // 2  # it learned merges
     assert tok.decode(docs[0][:-1]) == TEXT
-    # the saved tokenizer.json works as --tokenizer for another corpus
+    # the saved tokenizer.json works as --tokenizer for another corpus; a document too large to be tokenized
+    # whole is cut at line ends between non-space characters, with the same result
+    import megashard.data.prepare as prep
+
     again = str(tmp_path / "out" / "again")
-    assert _prepare(inputs[0], "--tokenizer", out + ".tokenizer.json", "--out", again) == 0
-    assert _docs(again) == [docs[0]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prep, "WHOLE", 100)
+        mp.setattr(prep, "CHUNK", 40)
+        assert _prepare(inputs[2], inputs[0], "--tokenizer", out + ".tokenizer.json", "--out", again) == 0
+    assert _docs(again) == [docs[-1], docs[0]]
 
 
 def test_missing_tokenizers_package_says_what_to_install(inputs, tmp_path, monkeypatch, capsys):

@@ -15,9 +15,11 @@ is written under the final names until everything succeeded (temporary names, th
 
 **Streaming and parallelism.** Work is split into tasks — a text file, or a piece of at most 32 MB of a
 JSON-lines file cut at line ends — tokenized by ``workers`` processes into temporary partial datasets,
-which are then concatenated in task order. Text files are read 1 MB at a time, cut at line ends; no
-process ever holds more than one piece of one document plus its tokens, so the corpus may be far larger
-than memory. The progress bar counts input bytes.
+which are then concatenated in task order. With the byte tokenizer text files are read 1 MB at a time;
+a BPE tokenizer sees each text document whole up to 16 MB, and larger ones in ~1 MB pieces cut at line
+ends between two non-space characters (where byte-level BPE's GPT-2-style pre-tokenization ends a token
+anyway; other pre-tokenizers may merge differently across such a cut). Tokens go straight to disk, so the
+corpus may be far larger than memory. The progress bar counts input bytes.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from megashard.data.corpus import FORMAT, META_SUFFIX, TOKENIZER_SUFFIX, write_json_atomic
 from megashard.data.indexed import IndexedDatasetBuilder
-from megashard.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
 from megashard.errors import DataError
 
@@ -43,6 +45,8 @@ __all__ = ["prepare", "PrepareResult", "expand_inputs", "iter_documents"]
 JSONL = (".jsonl", ".json")
 PIECE = 32 << 20  # bytes of a JSON-lines task
 CHUNK = 1 << 20  # bytes read at a time from a text file
+WHOLE = 16 << 20  # a text document up to this size is tokenized in one piece by BPE tokenizers
+BATCH = 256  # JSON-lines documents tokenized together
 
 
 @dataclass
@@ -85,8 +89,19 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def _text_pieces(path: str) -> Iterator[bytes]:
-    """The bytes of a text file, ~1 MB at a time, each piece ending at a line end (except the last)."""
+def _safe_cut(chunk: bytes, byte_level: bool) -> int:
+    """Where to cut ``chunk`` (0 = nowhere): after its last line end (byte tokenizer), or after its last line end
+    between two non-space bytes (BPE: GPT-2-style pre-tokenization ends a token there anyway)."""
+    cut = chunk.rfind(b"\n")
+    while cut > 0 and not byte_level and (cut + 1 >= len(chunk) or chunk[cut - 1: cut].isspace()
+                                           or chunk[cut + 1: cut + 2].isspace()):
+        cut = chunk.rfind(b"\n", 0, cut)
+    return cut + 1 if cut > 0 else 0
+
+
+def _text_pieces(path: str, byte_level: bool = True) -> Iterator[bytes]:
+    """The bytes of a text file, ~:data:`CHUNK` at a time, cut at line ends (:func:`_safe_cut`); the last piece
+    is whatever remains."""
     with open(path, "rb") as f:
         rest = b""
         while True:
@@ -94,7 +109,7 @@ def _text_pieces(path: str) -> Iterator[bytes]:
             if not chunk:
                 break
             chunk = rest + chunk
-            cut = chunk.rfind(b"\n") + 1
+            cut = _safe_cut(chunk, byte_level)
             if cut == 0:
                 rest = chunk
                 continue
@@ -164,6 +179,18 @@ def _tasks(files: list[str], tmp_prefix: str) -> list[_Task]:
 _TOKENIZER: dict[str, Tokenizer] = {}
 
 
+def _add_documents(b: IndexedDatasetBuilder, tok: Tokenizer, texts: list[str], eod: list[int]) -> None:
+    """Tokenize ``texts`` (a batch: the Hugging Face library encodes it on several threads) and add each as a
+    document; empties ``texts``."""
+    ids = tok.encode_batch(texts) if isinstance(tok, HFTokenizer) else [tok.encode(t) for t in texts]
+    for doc in ids:
+        b.extend(doc)
+        b.extend(eod)
+        b.end_sequence()
+        b.end_document()
+    texts.clear()
+
+
 def _worker_init() -> None:
     import torch
 
@@ -177,18 +204,27 @@ def _run_task(args: tuple[_Task, str, str, str]) -> tuple[int, int, int]:
     import torch
 
     eod = [tok.eod_id] if tok.eod_id is not None else []
+    byte = tok.name == "byte"
     with IndexedDatasetBuilder(task.part, getattr(torch, dtype)) as b:
         if task.path.endswith(JSONL):
+            batch: list[str] = []
             for text in _jsonl_docs(task.path, task.start, task.end, key):
-                b.extend(tok.encode(text))
-                b.extend(eod)
-                b.end_sequence()
-                b.end_document()
+                batch.append(text)
+                if len(batch) == BATCH:
+                    _add_documents(b, tok, batch, eod)
+            _add_documents(b, tok, batch, eod)
         else:
+            # A BPE tokenizer sees a document whole up to WHOLE bytes; larger ones are cut into ~CHUNK pieces at
+            # line ends between non-space bytes, where byte-level BPE splits anyway (the byte tokenizer: anywhere).
             dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            for piece in _text_pieces(task.path):
-                b.extend(piece if tok.name == "byte" else tok.encode(dec.decode(piece)))
-            if tok.name != "byte":
+            if byte or os.path.getsize(task.path) > WHOLE:
+                pieces: Iterable[bytes] = _text_pieces(task.path, byte)
+            else:
+                with open(task.path, "rb") as f:
+                    pieces = [f.read()]
+            for piece in pieces:
+                b.extend(piece if byte else tok.encode(dec.decode(piece)))
+            if not byte:
                 tail = dec.decode(b"", final=True)
                 if tail:
                     b.extend(tok.encode(tail))

@@ -53,6 +53,10 @@ def data_paths(data: DataConfig) -> list[tuple[float, str]]:
     ``path`` as one dataset of weight 1; a :class:`ConfigError` for neither or a malformed ``blend``."""
     if data.path is None and data.blend is None:
         raise ConfigError("data.source=indexed needs data.path (one dataset) or data.blend ([[weight, path], ...])")
+    if data.prepare_inputs is not None and (not isinstance(data.prepare_inputs, list) or not data.prepare_inputs
+                                            or not all(isinstance(x, str) for x in data.prepare_inputs)):
+        raise ConfigError(f"data.prepare_inputs must be a non-empty list of files, directories or glob patterns, "
+                          f"got {data.prepare_inputs!r}")
     if data.blend is None:
         return [(1.0, data.path)]
     rule = "data.blend must be a non-empty list of [weight, path] pairs with weights > 0, e.g. [[0.7, data/a], [0.3, data/b]]"
@@ -113,8 +117,6 @@ def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:
         return None
     from megashard.data.prepare import prepare
 
-    if not isinstance(d.prepare_inputs, list) or not all(isinstance(x, str) for x in d.prepare_inputs):
-        raise ConfigError(f"data.prepare_inputs must be a list of paths or patterns, got {d.prepare_inputs!r}")
     note = (f"megashard run: data.path={d.path} has no corpus yet: preparing it from {', '.join(d.prepare_inputs)} "
             f"(tokenizer {d.prepare_tokenizer}; once)")
     out = stream or sys.stderr
