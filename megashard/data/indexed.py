@@ -252,7 +252,7 @@ class IndexedDatasetBuilder:
         self._open = 0  # tokens of the sequence being written
         self._done = False
 
-    def _bytes(self, tokens: Tokens) -> tuple[bytes, int]:
+    def _bytes(self, tokens: Tokens) -> tuple[Union[bytes, bytearray], int]:
         if isinstance(tokens, torch.Tensor):
             t = tokens.reshape(-1)
             if t.numel() and t.dtype != self.dtype:
@@ -264,6 +264,10 @@ class IndexedDatasetBuilder:
         if isinstance(tokens, (bytes, bytearray)):  # byte ids (the byte tokenizer): widen without a Python loop
             if self.dtype == torch.uint8 or not tokens:
                 return bytes(tokens), len(tokens)
+            if self.dtype == torch.uint16:  # little endian: each byte, then a zero byte
+                out = bytearray(2 * len(tokens))
+                out[0::2] = tokens
+                return out, len(tokens)
             return tensor_bytes(torch.frombuffer(bytearray(tokens), dtype=torch.uint8).to(self.dtype)), len(tokens)
         arr = array.array(_ARRAY_CODES[self.dtype])
         try:
