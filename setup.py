@@ -15,6 +15,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "dev": ["pytest>=8"],
         "plot": ["matplotlib"],
+        "data": ["tokenizers>=0.15"],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
 )

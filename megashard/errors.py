@@ -63,3 +63,12 @@ class CheckpointCorruptedError(CheckpointError):
 
 class CheckpointNotFoundError(CheckpointError):
     """No complete checkpoint at the given path (the message lists what was found there instead)."""
+
+
+class DataError(MegashardError, ValueError):
+    """A dataset cannot be used: a missing, corrupt or truncated ``.bin``/``.idx`` or token file, a tokenizer file
+    that does not exist, tokens outside the vocabulary; the message names the file and the problem."""
+
+
+class MissingExtraError(MegashardError, ImportError):
+    """An optional feature needs a package that is not installed; the message says what to ``pip install``."""

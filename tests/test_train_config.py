@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megashard.errors import ConfigError
+from megashard.errors import ConfigError, MegashardError
 from megashard.train.config import JobConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +28,7 @@ EXPECTED = {
     "hsdp": (4, 1, 1, 2, 2, 1, 4),
     "moe-ep": (4, 1, 1, 1, 4, 2, 2),
     "gpu-tp-fsdp-cp": (16, 4, 2, 1, 2, 1, 16),
+    "text": (4, 2, 1, 1, 2, 1, 4),
 }
 
 
@@ -224,13 +225,37 @@ def test_synthetic_data_is_learnable_markov_chain():
     assert max(len(v) for v in successors.values()) <= 4
 
 
-def test_text_source_cuts_byte_windows(tmp_path):
-    from megashard.train.data import text_sequences
+def test_text_source_reads_byte_windows_from_the_mapped_file(tmp_path):
+    from megashard.train.data import Batches
 
     p = tmp_path / "t.txt"
     p.write_bytes(bytes(range(200)))
-    seqs = text_sequences(str(p), 65)
-    assert seqs.shape == (3, 65) and seqs[1, 0].item() == 65
+    j = job("data.source=text", f"data.path={p}", "model.seq_len=64")
+    b = Batches(j.data, j.model, 3, seed=0)
+    assert b.samples.sources[0].num_windows == 3  # (200 - 1) // 64 windows of 65 bytes, sharing boundary bytes
+    x, y = b.batch(0)
+    starts = sorted(x[:, 0].tolist())
+    assert starts == [0, 64, 128] and torch.equal(x[:, 1:], y[:, :-1])
+    assert all(row.tolist() == list(range(row[0], row[0] + 64)) for row in x)
+
+
+def test_data_config_errors(tmp_path):
+    from megashard.errors import ConfigError
+
+    for overrides, message in [
+        (["data.source=indexed"], "needs data.path (one dataset) or data.blend"),
+        (["data.source=indexed", "data.blend=[[0.5, a], [0, b]]"], "got the entry [0, 'b']"),
+        (["data.source=indexed", "data.blend=[a, b]"], "must be a non-empty list of [weight, path] pairs"),
+        (["data.source=indexed", f"data.path={tmp_path}/none"], "none: no such dataset: neither"),
+        (["data.source=indexed", "data.path=x", "data.prepare_inputs=a.txt"], "data.prepare_inputs must be a non-empty list"),
+        (["train.eval_interval=10"], "train.eval_interval=10 needs validation data: set data.valid_fraction > 0"),
+        (["data.valid_fraction=1.0"], "data.valid_fraction=1.0 must be in [0, 1)"),
+        (["model.arch=bert"], "model.arch='bert' is not supported; valid: gpt, llama"),
+        (["model.arch=llama", "model.hidden=60", "model.heads=4"], "head size hidden/heads=60/4 must be even"),
+    ]:
+        with pytest.raises(MegashardError) as e:
+            job(*overrides).validate()
+        assert message in str(e.value), (overrides, str(e.value))
 
 
 # ---------------------------------------------------------------------------------------------- schedule, progress, metrics

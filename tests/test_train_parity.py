@@ -8,7 +8,10 @@ its final full parameters) to a shared temporary directory; the pytest tests com
 * float64: every step within 1e-10 relative of the single process; float32: within 1e-4;
 * reshard: the tp=2·dp=2 run's step-5 checkpoint resumed at dp_shard=4 matches steps 6-10 and the final
   parameters of the run that stayed at tp=2·dp=2;
-* recompute (megashard.recompute.checkpoint) changes nothing; with dropout > 0 it replays the masks.
+* recompute (megashard.recompute.checkpoint) changes nothing; with dropout > 0 it replays the masks;
+* ``model.arch: llama`` with tied embeddings on a prepared (memory-mapped, byte-tokenized) corpus of the
+  repository's docs, with a validation split: tp=2·dp=2 equals one process at every step (training and
+  validation losses, float64, 1e-10), and its step-5 checkpoint resumed at dp_shard=4 continues identically.
 """
 from __future__ import annotations
 
@@ -36,6 +39,14 @@ LAYOUTS = {
     "hsdp": ["parallel.tp=1", "parallel.dp_outer=2", "parallel.dp_shard=2"],
 }
 MOE = ["model.num_experts=4", "model.moe_every=2", "model.moe_top_k=2", "model.ffn_hidden=128"]
+CORPUS = "MEGASHARD_TRAIN_TEST_CORPUS"
+# Llama-style, tied embeddings, on the prepared corpus: 257 byte-tokenizer ids padded to 258 (divisible by tp=2).
+LLAMA = ["model.arch=llama", "model.tie_embeddings=true", "model.vocab_size=258", "data.source=indexed",
+         "data.valid_fraction=0.05", "train.eval_interval=5", "train.eval_batches=2", "train.dtype=float64"]
+
+
+def _llama() -> list[str]:
+    return LLAMA + [f"data.path={os.environ[CORPUS]}"]
 
 
 def _dir() -> str:
@@ -63,6 +74,7 @@ def _run(tag: str, overrides: list[str], *, save_params: bool = False, on_rank0=
     if dist.get_rank() == 0:
         with open(os.path.join(_dir(), f"{tag}.json"), "w") as f:
             json.dump({"start": result.start_step, "losses": result.losses, "norms": result.grad_norms,
+                       "valid": result.valid_losses,
                        "seconds": result.seconds,
                        "total": time.perf_counter() - t0}, f)
         if save_params:
@@ -81,6 +93,10 @@ def check_single_f32(rank, world_size):
 
 def check_single_moe_f64(rank, world_size):
     _run("single-moe-f64", SINGLE + MOE + ["train.dtype=float64"])
+
+
+def check_single_llama_f64(rank, world_size):
+    _run("single-llama", SINGLE + _llama())
 
 
 # ---------------------------------------------------------------------------------------------- four processes
@@ -154,6 +170,27 @@ def check_reshard_resume_dp4(rank, world_size):
          save_params=True)
 
 
+def check_llama_tp2_dp2_f64(rank, world_size):
+    _run("llama-tp2_dp2", LAYOUTS["tp2_dp2"] + _llama() + ["checkpoint.interval=5", "checkpoint.keep=0"])
+
+
+def check_llama_tp2_cp2_f64(rank, world_size):
+    # Rotary positions of each cp chunk are its global positions.
+    _run("llama-tp2_cp2", ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1"] + _llama())
+
+
+def check_llama_reshard_dp4(rank, world_size):
+    import torch.distributed as dist
+
+    src = os.path.join(_dir(), "llama-tp2_dp2", "checkpoints", "step_00000005")
+    dst = os.path.join(_dir(), "llama-reshard-ckpt")
+    if rank == 0:
+        os.makedirs(dst)
+        shutil.copytree(src, os.path.join(dst, "step_00000005"))
+    dist.barrier()
+    _run("llama-reshard-dp4", LAYOUTS["dp4"] + _llama() + ["train.resume=true", f"checkpoint.dir={dst}"])
+
+
 def check_recompute_tp2_dp2_f64(rank, world_size):
     _run("recompute-f64", LAYOUTS["tp2_dp2"] + ["train.dtype=float64", "model.recompute=true",
                                                 "model.distribute_saved_activations=true"])
@@ -170,20 +207,26 @@ def check_dropout_recompute(rank, world_size):
 
 FOUR = [check_tp2_dp2_f64, check_dp4_f64, check_hsdp_f64, check_tp2_dp2_f32, check_dp4_f32, check_hsdp_f32,
         check_cp2_f64, check_tp2_cp2_f64, check_moe_ep2_f64, check_moe_ep2_f32, check_moe_reshard_ep1, check_reshard_resume_dp4, check_recompute_tp2_dp2_f64,
-        check_dropout_plain, check_dropout_recompute]
-ONE = [check_single_f64, check_single_f32, check_single_moe_f64]
+        check_dropout_plain, check_dropout_recompute, check_llama_tp2_dp2_f64, check_llama_reshard_dp4,
+        check_llama_tp2_cp2_f64]
+ONE = [check_single_f64, check_single_f32, check_single_moe_f64, check_single_llama_f64]
 
 
 @pytest.fixture(scope="module")
 def runs():
+    from megashard.data.prepare import prepare
+
     tmp = tempfile.mkdtemp(prefix="megashard-train-")
     old = os.environ.get(ENV)
     os.environ[ENV] = tmp  # inherited by the spawned processes
+    os.environ[CORPUS] = os.path.join(tmp, "docs-corpus")
+    prepare([os.path.join(ROOT, "docs", "*.md")], os.environ[CORPUS], "byte", progress=False)
     try:
         one = spawn_checks(ONE, world_size=1, timeout=300)
         four = spawn_checks(FOUR, world_size=4, timeout=600)
         yield tmp, one, four
     finally:
+        os.environ.pop(CORPUS, None)
         if old is None:
             os.environ.pop(ENV, None)
         else:
@@ -293,3 +336,27 @@ def test_dropout_replayed_by_recompute(runs):
     assert plain == rec  # bit for bit: recompute replays the model-parallel RNG fork
     nodrop = _losses(tmp, "tp2_dp2-f64")
     assert plain[1] != nodrop[1], "dropout 0.1 must change the loss"
+
+
+def test_llama_parity_on_a_prepared_corpus(runs):
+    tmp, one, four = runs
+    _ok(one, "check_single_llama_f64")
+    _ok(four, "check_llama_tp2_dp2_f64")
+    ref = _losses(tmp, "single-llama")
+    _assert_close(_losses(tmp, "llama-tp2_dp2"), ref, 1e-10, range(1, STEPS + 1))
+    _assert_close(_losses(tmp, "llama-tp2_dp2", "norms"), _losses(tmp, "single-llama", "norms"), 1e-10, range(1, STEPS + 1))
+    valid = _losses(tmp, "single-llama", "valid")
+    _assert_close(_losses(tmp, "llama-tp2_dp2", "valid"), valid, 1e-10, [5, 10])
+    assert ref[STEPS] < ref[1] - 0.5 and valid[10] < valid[5], "the model must learn the text"
+    _ok(four, "check_llama_tp2_cp2_f64")
+    _assert_close(_losses(tmp, "llama-tp2_cp2"), ref, 1e-10, range(1, STEPS + 1))
+    _assert_close(_losses(tmp, "llama-tp2_cp2", "valid"), valid, 1e-10, [5, 10])
+
+
+def test_llama_reshard_resume_tp2_dp2_to_dp4(runs):
+    tmp, _, four = runs
+    _ok(four, "check_llama_tp2_dp2_f64", "check_llama_reshard_dp4")
+    with open(os.path.join(tmp, "llama-reshard-dp4.json")) as f:
+        assert json.load(f)["start"] == 5
+    _assert_close(_losses(tmp, "llama-reshard-dp4"), _losses(tmp, "llama-tp2_dp2"), 1e-10, range(6, STEPS + 1))
+    _assert_close(_losses(tmp, "llama-reshard-dp4", "valid"), _losses(tmp, "llama-tp2_dp2", "valid"), 1e-10, [10])

@@ -20,16 +20,27 @@ from megashard.errors import ConfigError
 from megashard.yamlcfg import reject_unknown_keys
 
 DTYPES = ("float32", "float64", "bfloat16")
-SOURCES = ("synthetic", "text")
+SOURCES = ("synthetic", "text", "indexed")
+ARCHS = ("gpt", "llama")
 SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass
 class ModelConfig:
-    """A small GPT: token + learned position embeddings, pre-LayerNorm blocks, untied LM head."""
+    """The example transformer: ``gpt`` (learned positions, LayerNorm, GELU) or ``llama`` (rotary, RMSNorm, SwiGLU)."""
 
+    arch: str = "gpt"
+    """``gpt``: token + learned position embeddings, pre-LayerNorm blocks with biases, GELU MLP; ``llama``: rotary
+    position embeddings, RMSNorm, SwiGLU MLP, no biases."""
+    tie_embeddings: bool = False
+    """Use the input embedding (vocabulary-parallel over tp) as the LM head's weight too (both archs)."""
+    rope_theta: float = 10000.0
+    """``llama``: base of the rotary position embedding frequencies."""
+    norm_eps: float = 1.0e-5
+    """Epsilon of the normalisation layers (LayerNorm for ``gpt``, RMSNorm for ``llama``)."""
     vocab_size: int = 256
-    """Vocabulary size (byte-level data uses 256). Must divide by ``parallel.tp`` (pad it, as Megatron does)."""
+    """Vocabulary size: ≥ the tokenizer's (``text`` data: 256; a prepared corpus: its metadata's ``vocab_size``, e.g.
+    257 for the byte tokenizer). Must divide by ``parallel.tp``; pad it, as Megatron does (multiple of 128 · tp)."""
     seq_len: int = 64
     """Tokens per sequence (context length). Must divide by ``parallel.cp``."""
     hidden: int = 64
@@ -39,7 +50,8 @@ class ModelConfig:
     heads: int = 4
     """Attention heads. Must divide by ``parallel.tp`` (each TP rank owns whole heads)."""
     ffn_hidden: Optional[int] = None
-    """MLP inner size; ``null`` = 4 × hidden. Must divide by ``parallel.tp``."""
+    """MLP inner size; ``null`` = 4 × hidden (``gpt``) or 8/3 × hidden rounded up to a multiple of 64 (``llama``).
+    Must divide by ``parallel.tp``."""
     dropout: float = 0.0
     """Dropout probability (attention and residual), in [0, 1). Attention dropout draws from the model-parallel RNG fork."""
     init_std: float = 0.02
@@ -76,6 +88,11 @@ class TrainConfig:
     """Write loss.png at the end (needs matplotlib: ``pip install 'megashard[plot]'``; skipped with a note otherwise)."""
     resume: bool = True
     """Resume from the newest complete checkpoint in ``checkpoint.dir`` when there is one."""
+    eval_interval: int = 0
+    """Validation loss (averaged over the data-parallel ranks) every this many steps and after the last; 0 = never.
+    Needs ``data.valid_fraction > 0``."""
+    eval_batches: int = 2
+    """Batches of ``global_batch`` validation sequences per evaluation (the same ones every time)."""
     fail_at_step: Optional[int] = None
     """Fault injection for tests: rank ``fail_rank`` exits with code 1 after this step (first attempt only)."""
     fail_rank: int = 0
@@ -111,9 +128,24 @@ class DataConfig:
     """Deterministic training data, identical for every layout; each data-parallel rank reads its slice of a batch."""
 
     source: str = "synthetic"
-    """``synthetic`` (sequences from a fixed random Markov chain: learnable, no files) or ``text`` (bytes of ``path``)."""
+    """``synthetic`` (sequences from a fixed random Markov chain: learnable, no files), ``text`` (the bytes of
+    ``path``) or ``indexed`` (tokenized datasets: ``path`` or ``blend``; docs/data.md)."""
     path: Optional[str] = None
-    """Text file for ``source: text`` (byte-level tokens; vocab_size must be ≥ 256), relative to the current directory."""
+    """``text``: a text file (byte-level tokens; vocab_size ≥ 256). ``indexed``: a dataset prefix (``PREFIX.bin`` +
+    ``PREFIX.idx``, e.g. from ``megashard data prepare``) or a flat token file; the same as ``blend: [[1.0, path]]``.
+    Relative to the current directory."""
+    blend: Optional[list] = None
+    """``indexed``: datasets mixed by weight, ``[[weight, path], ...]`` (weights > 0, normalised). When given it replaces
+    ``path`` (and ``prepare_inputs``). On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
+    flat_dtype: str = "uint16"
+    """``indexed``: token dtype of flat token files (paths without an ``.idx``): uint8, uint16, int32, ..."""
+    valid_fraction: float = 0.0
+    """Share of every dataset's samples held out for validation (a seeded choice, disjoint from training), in [0, 1)."""
+    prepare_inputs: Optional[list] = None
+    """``indexed`` with ``path``: inputs of ``megashard data prepare`` (files, directories, globs; ``{stdlib}`` = the
+    Python standard library) that ``megashard run`` tokenizes into ``path`` first if no corpus is there yet."""
+    prepare_tokenizer: str = "byte"
+    """Tokenizer for ``prepare_inputs``: ``byte`` or the path of a Hugging Face tokenizer.json."""
     num_sequences: int = 4096
     """Synthetic: sequences in the dataset (the loop cycles through a seeded permutation of them each epoch)."""
     branching: int = 4
@@ -305,7 +337,11 @@ class JobConfig:
 
     @property
     def ffn_hidden(self) -> int:
-        return self.model.ffn_hidden or 4 * self.model.hidden
+        if self.model.ffn_hidden:
+            return self.model.ffn_hidden
+        from megashard.train.model import default_ffn_hidden
+
+        return default_ffn_hidden(self.model)
 
     def moe_layers(self) -> list[int]:
         """0-based indices of the blocks with an MoE MLP."""
@@ -353,6 +389,10 @@ class JobConfig:
 
             _need(self.data.path is not None and os.path.isfile(self.data.path),
                   f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
+        if self.data.source == "indexed":
+            from megashard.train.data import check_corpus
+
+            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
         self.requested_checkpoint()
         return s
 
@@ -437,7 +477,24 @@ class JobConfig:
         _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)")
         _need(o.eps > 0, f"optim.eps={o.eps} must be > 0")
         _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 = no clipping)")
+        _need(m.arch in ARCHS, f"model.arch={m.arch!r} is not supported; valid: {', '.join(ARCHS)}")
+        _need(m.norm_eps > 0 and m.rope_theta > 0, f"model.norm_eps={m.norm_eps} and model.rope_theta={m.rope_theta} "
+              "must be > 0")
+        if m.arch == "llama":
+            _need(m.num_experts == 0, f"model.arch=llama has dense SwiGLU MLPs only: use model.num_experts=0 "
+                  f"(got {m.num_experts}) or model.arch=gpt for experts")
+            _need((m.hidden // m.heads) % 2 == 0,
+                  f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
+        _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+        _need(t.eval_interval >= 0 and t.eval_batches >= 1,
+              f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
+        _need(t.eval_interval == 0 or d.valid_fraction > 0,
+              f"train.eval_interval={t.eval_interval} needs validation data: set data.valid_fraction > 0 (e.g. 0.05)")
+        if d.source == "indexed":
+            from megashard.train.data import data_paths
+
+            data_paths(d)  # path xor blend, well-formed
         if d.source == "text":
             _need(m.vocab_size >= 256, f"data.source=text is byte-level: model.vocab_size={m.vocab_size} must be >= 256")
         _need(d.branching <= m.vocab_size, f"data.branching={d.branching} must be <= model.vocab_size={m.vocab_size}")

@@ -1,20 +1,33 @@
-"""Deterministic training data, the same for every parallel layout.
+"""Deterministic training data, the same for every parallel layout (docs/data.md).
 
-The dataset is a fixed tensor of ``N`` sequences of ``seq_len + 1`` tokens, built identically on every
-rank from the seed: either sampled from a random Markov chain (``synthetic``: learnable, no files) or
-cut from the bytes of a text file (``text``). Global sample ``i`` is row ``perm_e[i mod N]`` of epoch
-``e = i // N`` (a seeded permutation per epoch). Step ``s`` uses samples ``[s·B, (s+1)·B)``; data-parallel
-rank ``r`` of ``dp`` takes the contiguous slice ``[r·B/dp, (r+1)·B/dp)`` of them, and context-parallel
-rank ``c`` of ``cp`` the ``c``-th chunk of the sequence. The data position is therefore a pure function
-of the step: resuming (also into another layout) needs no loader state.
+Every source is a list of datasets of samples of ``seq_len + 1`` tokens (:mod:`megashard.data`):
+
+* ``synthetic``: ``num_sequences`` rows sampled from a fixed random Markov chain, built from the seed;
+* ``text``: windows over the bytes of a text file (memory-mapped, one token per byte);
+* ``indexed``: windows over tokenized datasets — Megatron-LM ``.bin`` + ``.idx`` or flat token files,
+  memory-mapped — one (``data.path``) or a blend (``data.blend``).
+
+Global training sample ``i`` is ``(dataset, window)`` = :meth:`megashard.data.blend.BlendedSamples.train`:
+the blend picks the dataset, a seeded split holds out ``data.valid_fraction`` of its windows for
+validation and a seeded permutation per epoch orders the rest. Step ``s`` uses global samples
+``[s·B, (s+1)·B)``; data-parallel rank ``r`` of ``dp`` takes ``[s·B + r·B/dp, s·B + (r+1)·B/dp)`` and
+context-parallel rank ``c`` of ``cp`` the ``c``-th chunk of each sequence; validation batch ``k`` is
+validation samples ``[k·B, (k+1)·B)``, sliced the same way. A rank reads only the tokens of its own
+samples. The data position is a pure function of ``(seed, step)``: resuming — into any layout — needs
+no loader state.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+import sys
+from typing import Any, Optional
 
 import torch
 
-from megashard.train.config import DataConfig, ModelConfig
+from megashard.errors import ConfigError, DataError
+from megashard.train.config import DataConfig, JobConfig, ModelConfig
+
+__all__ = ["Batches", "synthetic_sequences", "data_paths", "check_corpus", "ensure_corpus", "build_samples"]
 
 
 def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
@@ -35,16 +48,105 @@ def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed:
     return out
 
 
-def text_sequences(path: str, length: int) -> torch.Tensor:
-    """Non-overlapping windows of ``length`` bytes of the file at ``path``: ``[num, length]`` int64."""
-    with open(path, "rb") as f:
-        data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).to(torch.int64)
-    num = data.numel() // length
-    if num < 1:
-        from megashard.errors import ConfigError
+def data_paths(data: DataConfig) -> list[tuple[float, str]]:
+    """``[(weight, path), ...]`` of ``data.source: indexed``: ``blend`` when given (it replaces ``path``), else
+    ``path`` as one dataset of weight 1; a :class:`ConfigError` for neither or a malformed ``blend``."""
+    if data.path is None and data.blend is None:
+        raise ConfigError("data.source=indexed needs data.path (one dataset) or data.blend ([[weight, path], ...])")
+    if data.prepare_inputs is not None and (not isinstance(data.prepare_inputs, list) or not data.prepare_inputs
+                                            or not all(isinstance(x, str) for x in data.prepare_inputs)):
+        raise ConfigError(f"data.prepare_inputs must be a non-empty list of files, directories or glob patterns, "
+                          f"got {data.prepare_inputs!r}")
+    if data.blend is None:
+        return [(1.0, data.path)]
+    rule = "data.blend must be a non-empty list of [weight, path] pairs with weights > 0, e.g. [[0.7, data/a], [0.3, data/b]]"
+    if not isinstance(data.blend, list) or not data.blend:
+        raise ConfigError(f"{rule}; got {data.blend!r}")
+    out = []
+    for item in data.blend:
+        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str)
+        ok = ok and isinstance(item[0], (int, float)) and not isinstance(item[0], bool) and item[0] > 0
+        if not ok:
+            raise ConfigError(f"{rule}; got the entry {item!r}")
+        out.append((float(item[0]), item[1]))
+    return out
 
-        raise ConfigError(f"data.path={path!r} has {data.numel()} bytes, fewer than one sequence of {length} tokens")
-    return data[: num * length].view(num, length)
+
+def _pad(v: int, multiple: int) -> int:
+    return -(-v // multiple) * multiple
+
+
+def check_corpus(job: JobConfig, tp: int) -> None:
+    """``data.source: indexed``: every dataset opens (headers and sizes checked) and ``model.vocab_size`` covers
+    its tokenizer's vocabulary (from the corpus metadata). A corpus that ``megashard run`` will prepare
+    (``data.prepare_inputs``) may still be missing."""
+    from megashard.data.corpus import corpus_exists, open_tokens, read_meta
+
+    d, m = job.data, job.model
+    seen: dict[str, Any] = {}
+    for _, path in data_paths(d):
+        if d.prepare_inputs and d.blend is None and path == d.path and not corpus_exists(path):
+            continue  # prepared by the launcher before the workers start, then checked again
+        stream = open_tokens(path, d.flat_dtype)
+        if stream.num_tokens <= m.seq_len:
+            raise DataError(f"{path}: {stream.num_tokens} tokens, not one sample of model.seq_len={m.seq_len} (+1) tokens")
+        meta = read_meta(path)
+        if meta is None:
+            continue
+        v = meta["vocab_size"]
+        if m.vocab_size < v:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of {path} ({v} ids, tokenizer "
+                f"{meta.get('tokenizer')}): use model.vocab_size={_pad(v, tp)} (a multiple of tp={tp}; "
+                f"Megatron pads to a multiple of 128·tp: {_pad(v, 128 * tp)})")
+        key = (v, meta.get("eod_id"))
+        if seen and key not in seen.values():
+            other = next(iter(seen))
+            raise ConfigError(f"data.blend mixes tokenizers: {path} has vocabulary {v} (end of document "
+                              f"{meta.get('eod_id')}), {other} has {seen[other][0]} ({seen[other][1]})")
+        seen[path] = key
+
+
+def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:
+    """In the launcher, before any worker starts: prepare ``data.path`` from ``data.prepare_inputs`` if it has no
+    complete corpus yet (with a one-line note on stderr). Returns the note, or ``None`` if nothing was done."""
+    from megashard.data.corpus import corpus_exists
+
+    d = job.data
+    if d.source != "indexed" or not d.prepare_inputs or d.path is None or d.blend is not None or corpus_exists(d.path):
+        return None
+    from megashard.data.prepare import prepare
+
+    note = (f"megashard run: data.path={d.path} has no corpus yet: preparing it from {', '.join(d.prepare_inputs)} "
+            f"(tokenizer {d.prepare_tokenizer}; once)")
+    out = stream or sys.stderr
+    print(note, file=out, flush=True)
+    os.makedirs(os.path.dirname(d.path) or ".", exist_ok=True)
+    prepare(d.prepare_inputs, d.path, d.prepare_tokenizer, workers=min(4, os.cpu_count() or 1),
+            progress=False)
+    return note
+
+
+def build_samples(data: DataConfig, model: ModelConfig, seed: int) -> "Any":
+    """The :class:`~megashard.data.blend.BlendedSamples` of the job's data (files mapped, nothing read yet)."""
+    from megashard.data.blend import BlendedSamples
+    from megashard.data.corpus import open_tokens
+    from megashard.data.samples import RowWindows, StreamWindows
+    from megashard.data.tokens import FlatTokens
+
+    length = model.seq_len + 1
+    if data.source == "synthetic":
+        rows = synthetic_sequences(data.num_sequences, length, model.vocab_size, data.branching, seed)
+        sources, weights = [RowWindows(rows, "synthetic")], [1.0]
+    elif data.source == "text":
+        if data.path is None:
+            raise ConfigError("data.source=text needs data.path (a text file)")
+        sources, weights = [StreamWindows(FlatTokens(data.path, "uint8"), model.seq_len)], [1.0]
+    else:
+        pairs = data_paths(data)
+        sources = [StreamWindows(open_tokens(p, data.flat_dtype), model.seq_len) for _, p in pairs]
+        weights = [w for w, _ in pairs]
+    return BlendedSamples(sources, weights, data.valid_fraction, seed)
 
 
 class Batches:
@@ -62,38 +164,44 @@ class Batches:
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
                  device: Optional[torch.device] = None) -> None:
         self.seed = seed + data.seed
-        length = model.seq_len + 1
-        if data.source == "synthetic":
-            self.sequences = synthetic_sequences(data.num_sequences, length, model.vocab_size, data.branching, self.seed)
-        else:
-            assert data.path is not None  # checked by JobConfig.validate
-            self.sequences = text_sequences(data.path, length)
+        self.samples = build_samples(data, model, self.seed)
         self.global_batch, self.local_batch = global_batch, global_batch // dp_size
         self.dp_rank, self.cp_rank, self.cp_size = dp_rank, cp_rank, cp_size
-        self.seq_len = model.seq_len
+        self.seq_len, self.vocab_size = model.seq_len, model.vocab_size
         self.device = device
-        self._perms: dict[int, torch.Tensor] = {}
 
-    def _perm(self, epoch: int) -> torch.Tensor:
-        p = self._perms.get(epoch)
-        if p is None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            p = torch.randperm(self.sequences.shape[0], generator=g)
-            self._perms = {epoch: p}  # one epoch at a time is enough (steps advance monotonically)
-        return p
+    def sample_ids(self, step: int) -> torch.Tensor:
+        """Global sample numbers of this rank's part of batch ``step`` (0-based): ``[B/dp]`` int64."""
+        start = step * self.global_batch + self.dp_rank * self.local_batch
+        return torch.arange(start, start + self.local_batch, dtype=torch.int64)
+
+    def locate(self, step: int, valid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dataset, window)`` of this rank's samples of training step ``step`` (or validation batch ``step``)."""
+        ids = self.sample_ids(step)
+        return self.samples.valid(ids) if valid else self.samples.train(ids)
 
     def sample_indices(self, step: int) -> list[int]:
-        """Dataset rows of this rank's part of batch ``step`` (0-based)."""
-        n = self.sequences.shape[0]
-        start = step * self.global_batch + self.dp_rank * self.local_batch
-        return [int(self._perm(i // n)[i % n]) for i in range(start, start + self.local_batch)]
+        """Windows (dataset-local sample indices) of this rank's part of batch ``step``."""
+        return self.locate(step)[1].tolist()
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of step ``step`` for this rank, ``[B/dp, seq_len/cp]`` each."""
-        rows = self.sequences[self.sample_indices(step)]
+    def _split(self, d: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.samples.tokens(d, w)
+        if rows.numel() and int(rows.max()) >= self.vocab_size:
+            bad = int(torch.nonzero(rows.max(dim=1).values >= self.vocab_size)[0])
+            src = self.samples.sources[int(d[bad])]
+            raise DataError(f"{src.name}: token id {int(rows[bad].max())} in sample {int(w[bad])} is outside "
+                            f"model.vocab_size={self.vocab_size}: raise model.vocab_size to the tokenizer's vocabulary")
         chunk = self.seq_len // self.cp_size
         lo = self.cp_rank * chunk
         x, y = rows[:, lo: lo + chunk], rows[:, lo + 1: lo + chunk + 1]
         if self.device is not None:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x.contiguous(), y.contiguous()
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of step ``step`` for this rank, ``[B/dp, seq_len/cp]`` each."""
+        return self._split(*self.locate(step))
+
+    def valid_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of validation batch ``k`` for this rank (needs ``data.valid_fraction > 0``)."""
+        return self._split(*self.locate(k, valid=True))

@@ -199,6 +199,10 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
     or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
     plan = plan_launch(config, overrides)
+    if not dry_run:
+        from megashard.train.data import ensure_corpus
+
+        ensure_corpus(plan.job)  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
     job, s = plan.job, plan.job.validate()
     if not dry_run:
         from megashard.train.ckptlock import check_free

@@ -40,6 +40,8 @@ class TrainResult:
     """step → global mean loss (identical on every rank)."""
     grad_norms: dict[int, float] = field(default_factory=dict)
     """step → global gradient norm before clipping."""
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    """step → validation loss (mean over ``train.eval_batches`` batches and every data-parallel rank)."""
     seconds: float = 0.0
     """Wall time of the training steps (excluding set-up)."""
     tokens_per_s: float = 0.0
@@ -147,6 +149,18 @@ def full_parameters(model: torch.nn.Module, state: Any) -> dict[str, torch.Tenso
     return {n: global_dtensor(local_tensor(p.detach()), p, state).full_tensor() for n, p in model.named_parameters()}
 
 
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Any, batches: int, state: Any) -> float:
+    """Mean loss over validation batches ``0 .. batches-1`` (each rank its slice), averaged over dp·cp ranks."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=data.device)
+    for k in range(batches):
+        total += model(*data.valid_batch(k)).detach().to(torch.float64)
+    model.train()
+    _all_reduce(total, state, "dp_cp")
+    return float(total) / (batches * state.size("dp") * state.size("cp"))
+
+
 # ---------------------------------------------------------------------------------------------- the loop
 def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -229,9 +243,15 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
             dt = time.perf_counter() - t0
             done = step + 1
             result.losses[done], result.grad_norms[done], result.final_step = gloss, float(norm), done
+            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
+                      "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
+            if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+                record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state)
+                if rank == 0:
+                    print(f"{chr(10) if bar.tty and bar.enabled else ''}megashard run: step {done}: validation loss "
+                          f"{record['valid_loss']:.4f}", file=sys.stderr, flush=True)
             if writer is not None:
-                writer.write({"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
-                              "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()})
+                writer.write(record)
             bar.update(done, gloss, tokens_per_step * (done - start) / (time.perf_counter() - t_start))
             if t.fail_at_step == done and rank == t.fail_rank and _restart_count() == 0:
                 bar.close()
@@ -288,7 +308,9 @@ def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) 
         msg.append(f"nothing to do, already at step {result.final_step} of {job.train.steps} "
                    f"(checkpoint in {job.checkpoint_dir}; raise train.steps or set train.resume=false)")
     else:
+        valid = result.valid_losses.get(result.final_step)
         msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "
+                   + (f"validation loss {valid:.4f}, " if valid is not None else "") +
                    f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
     lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
     if job.train.plot:

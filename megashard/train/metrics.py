@@ -58,7 +58,11 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     if not records:
         return "loss plot skipped: no metrics recorded"
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="training")
+    valid = [r for r in records if "valid_loss" in r]
+    if valid:
+        ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", ms=3, lw=1.2, label="validation")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -1,4 +1,4 @@
-"""A small GPT built from megashard's tensor-parallel layers.
+"""A small GPT (or Llama-style, ``model.arch: llama``) built from megashard's tensor-parallel layers.
 
     model = GPT(job.model, groups=ModelGroups.from_state(state), dtype=torch.float32)
     init_parameters(model, seed=1234, groups=groups)     # layout-independent initial values
@@ -9,8 +9,10 @@ column-parallel projection (rows ordered head by head, so a contiguous TP split 
 heads), scaled-dot-product attention (its dropout inside the model-parallel RNG fork), row-parallel
 output projection. MLP: column-parallel ``hidden → ffn``, GELU, row-parallel ``ffn → hidden`` — or an
 MoE layer (:mod:`megashard.train.moe`). Embedding: vocabulary-parallel; LM head: column-parallel with
-a vocabulary-parallel cross entropy (the logits are never gathered). With context parallelism each rank
-holds a contiguous chunk of the sequence and all-gathers keys and values over ``cp``.
+a vocabulary-parallel cross entropy (the logits are never gathered); ``model.tie_embeddings`` uses the
+embedding table as the head's weight. With context parallelism each rank holds a contiguous chunk of the
+sequence and all-gathers keys and values over ``cp``. ``arch: llama`` swaps in RMSNorm, rotary positions
+and a SwiGLU MLP without biases (:mod:`megashard.train.llama`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from megashard.train.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tp,
     gather_seq,
     group_rank,
     group_size,
@@ -37,7 +40,7 @@ from megashard.train.layers import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed"]
+__all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed", "default_ffn_hidden"]
 
 
 @dataclass
@@ -63,8 +66,13 @@ def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:
     return p
 
 
-def _layer_norm(hidden: int, dtype: torch.dtype, device: Any) -> nn.LayerNorm:
-    ln = nn.LayerNorm(hidden, dtype=dtype, device=device)
+def _norm(cfg: ModelConfig, dtype: torch.dtype, device: Any) -> nn.Module:
+    """LayerNorm (``gpt``) or RMSNorm (``llama``) over the hidden dim, replicated over tp."""
+    if cfg.arch == "llama":
+        from megashard.train.llama import RMSNorm
+
+        return RMSNorm(cfg.hidden, cfg.norm_eps, dtype, device)
+    ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype, device=device)
     _replicated(ln.weight, "ones")
     _replicated(ln.bias, "zeros")
     return ln
@@ -73,20 +81,26 @@ def _layer_norm(hidden: int, dtype: torch.dtype, device: Any) -> nn.LayerNorm:
 class Attention(nn.Module):
     """Causal multi-head self-attention; heads split over tp, sequence over cp. ``[b, s/cp, h] -> [b, s/cp, h]``."""
 
-    def __init__(self, cfg: ModelConfig, groups: ModelGroups, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ModelGroups, dtype: torch.dtype, device: Any,
+                 rotary: Optional[Any] = None) -> None:
         super().__init__()
         h = cfg.hidden
-        self.groups = groups
+        self.groups, self.rotary = groups, rotary
         self.local_heads = cfg.heads // group_size(groups.tp)
         self.head_dim = h // cfg.heads
         self.dropout = cfg.dropout
-        self.qkv = ColumnParallelLinear(h, 3 * h, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
-        self.proj = RowParallelLinear(h, h, groups.tp, init_std=scaled_std(cfg.init_std, cfg.layers), dtype=dtype, device=device)
+        bias = cfg.arch == "gpt"
+        self.qkv = ColumnParallelLinear(h, 3 * h, groups.tp, bias=bias, init_std=cfg.init_std, dtype=dtype, device=device)
+        self.proj = RowParallelLinear(h, h, groups.tp, bias=bias, init_std=scaled_std(cfg.init_std, cfg.layers),
+                                      dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)  # [b, s, heads/tp, head_dim]
+        if self.rotary is not None:  # global positions of this cp chunk, before k is gathered over cp
+            start = group_rank(self.groups.cp) * s
+            q, k = self.rotary.apply(q, start), self.rotary.apply(k, start)
         mask, causal = None, True
         cp = group_size(self.groups.cp)
         if cp > 1:
@@ -123,12 +137,17 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; ``recompute`` reruns it in backward (megashard.recompute.checkpoint)."""
 
-    def __init__(self, cfg: ModelConfig, ffn: int, moe: bool, groups: ModelGroups, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, cfg: ModelConfig, ffn: int, moe: bool, groups: ModelGroups, dtype: torch.dtype, device: Any,
+                 rotary: Optional[Any] = None) -> None:
         super().__init__()
-        self.ln1 = _layer_norm(cfg.hidden, dtype, device)
-        self.attn = Attention(cfg, groups, dtype, device)
-        self.ln2 = _layer_norm(cfg.hidden, dtype, device)
-        if moe:
+        self.ln1 = _norm(cfg, dtype, device)
+        self.attn = Attention(cfg, groups, dtype, device, rotary)
+        self.ln2 = _norm(cfg, dtype, device)
+        if cfg.arch == "llama":
+            from megashard.train.llama import SwiGLU
+
+            self.mlp: nn.Module = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
+        elif moe:
             from megashard.train.moe import MoE
 
             self.mlp: nn.Module = MoE(cfg, ffn, groups, dtype, device)
@@ -159,26 +178,50 @@ class GPT(nn.Module):
         super().__init__()
         groups = groups or ModelGroups()
         self.cfg, self.groups = cfg, groups
-        ffn = ffn_hidden or cfg.ffn_hidden or 4 * cfg.hidden
+        ffn = ffn_hidden or cfg.ffn_hidden or default_ffn_hidden(cfg)
         moe_layers = moe_layers or []
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
-        self.pos = _replicated(nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype, device=device)), "normal", cfg.init_std)
+        rotary = None
+        if cfg.arch == "llama":
+            from megashard.train.llama import Rotary
+
+            rotary = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta, device=device)
+        else:
+            self.pos = _replicated(nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype, device=device)),
+                                   "normal", cfg.init_std)
         self.blocks = nn.ModuleList(
-            Block(cfg, ffn, i in moe_layers, groups, dtype, device) for i in range(cfg.layers)
+            Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in range(cfg.layers)
         )
-        self.ln_f = _layer_norm(cfg.hidden, dtype, device)
-        self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False, init_std=cfg.init_std,
-                                         dtype=dtype, device=device)
+        self.ln_f = _norm(cfg, dtype, device)
+        self.head = None
+        if not cfg.tie_embeddings:
+            self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False, init_std=cfg.init_std,
+                                             dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]
-        start = group_rank(self.groups.cp) * s
-        x = self.embed(ids) + self.pos[start: start + s]
+        x = self.embed(ids)
+        if self.cfg.arch == "gpt":
+            start = group_rank(self.groups.cp) * s
+            x = x + self.pos[start: start + s]
         x = F.dropout(x, self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))  # [b, s, vocab/tp]
+        h = self.ln_f(x)
+        if self.head is None:  # tied: the vocabulary-parallel embedding table is the column-parallel head weight
+            logits = F.linear(copy_to_tp(h, self.groups.tp), self.embed.weight)
+        else:
+            logits = self.head(h)  # [b, s, vocab/tp]
         return vocab_parallel_cross_entropy(logits, targets, self.groups.tp).mean()
+
+
+def default_ffn_hidden(cfg: ModelConfig) -> int:
+    """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to 64 (``llama``)."""
+    if cfg.arch == "llama":
+        from megashard.train.llama import llama_ffn_hidden
+
+        return llama_ffn_hidden(cfg.hidden)
+    return 4 * cfg.hidden
 
 
 # ---------------------------------------------------------------------------------------------- init

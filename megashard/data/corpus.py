@@ -1,0 +1,82 @@
+"""A prepared corpus on disk: ``PREFIX.bin`` + ``PREFIX.idx``, and the metadata that names its tokenizer.
+
+``megashard data prepare`` writes, for ``--out PREFIX``::
+
+    PREFIX.bin, PREFIX.idx     Megatron-LM's indexed dataset (megashard.data.indexed), one sequence per document
+    PREFIX.tokenizer.json      the Hugging Face tokenizer used (absent for the built-in byte tokenizer)
+    PREFIX.meta.json           what the job needs to know, written last (its presence = the corpus is complete):
+                               {"format": "megashard-corpus", "version": 1, "tokenizer": "byte" or
+                                "PREFIX.tokenizer.json" (relative to the metadata file), "vocab_size": 257,
+                                "eod_id": 256, "dtype": "uint16", "documents": ..., "tokens": ..., "inputs": [...]}
+
+Datasets made by other tools (Megatron-LM's ``preprocess_data.py``) have no metadata: the job then trusts
+``model.vocab_size`` and checks every batch's token ids against it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from megashard.data.indexed import IndexedDataset, is_indexed_dataset
+from megashard.data.tokens import DTYPES, FlatTokens, TokenStream
+from megashard.errors import DataError
+
+__all__ = ["META_SUFFIX", "TOKENIZER_SUFFIX", "FORMAT", "read_meta", "write_json_atomic", "open_tokens",
+           "dataset_prefix", "corpus_exists"]
+
+META_SUFFIX = ".meta.json"
+TOKENIZER_SUFFIX = ".tokenizer.json"
+FORMAT = "megashard-corpus"
+
+
+def dataset_prefix(path: str) -> str:
+    """``corpus.bin`` / ``corpus.idx`` / ``corpus`` -> ``corpus`` when that is an indexed dataset, else ``path``."""
+    for ext in (".bin", ".idx"):
+        if path.endswith(ext) and is_indexed_dataset(path[: -len(ext)]):
+            return path[: -len(ext)]
+    return path
+
+
+def corpus_exists(prefix: str) -> bool:
+    """True when ``prefix`` is a complete prepared corpus (its metadata, written last, exists)."""
+    return os.path.isfile(prefix + META_SUFFIX) and is_indexed_dataset(prefix)
+
+
+def read_meta(path: str) -> Optional[dict[str, Any]]:
+    """The metadata of the corpus at ``path`` (a prefix or one of its files), or ``None`` if it has none."""
+    meta_path = dataset_prefix(path) + META_SUFFIX
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{meta_path}: unreadable corpus metadata: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"{meta_path}: not megashard corpus metadata (needs format={FORMAT!r} and an integer "
+                        "vocab_size); delete it or prepare the corpus again")
+    return meta
+
+
+def write_json_atomic(path: str, doc: dict[str, Any]) -> None:
+    """Write ``doc`` to ``path`` through a temporary file and a rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def open_tokens(path: str, flat_dtype: str = "uint16") -> TokenStream:
+    """The token stream at ``path``: an indexed dataset (``PREFIX`` or ``PREFIX.bin``/``.idx``) or a flat
+    token file of ``flat_dtype`` (any other existing file). A :class:`DataError` names what is missing."""
+    prefix = dataset_prefix(path)
+    if is_indexed_dataset(prefix):
+        return IndexedDataset(prefix)
+    if os.path.isfile(path):
+        if flat_dtype not in DTYPES:
+            raise DataError(f"data.flat_dtype={flat_dtype!r} is not a token dtype; valid: {', '.join(DTYPES)}")
+        return FlatTokens(path, flat_dtype)
+    raise DataError(f"{path}: no such dataset: neither {path}.bin + {path}.idx (an indexed dataset) nor a flat "
+                    "token file")
