@@ -200,12 +200,16 @@ def test_overrides_change_the_plan(capsys):
 
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("argv,message", [
-    (["-w", "16", "parallel.tp=3"], "tp·cp·pp·dp_outer·dp_shard = 3·1·1·1·2 = 6 must equal the world size 16"),
+    (["-w", "16", "parallel.tp=3"], "world size 16 is not divisible by tp=3·cp=1·pp=1·dp_outer=1 = 3; valid products "
+                                    "for this world: 1, 2, 4, 8, 16"),
+    (["-w", "131072", "parallel.tp=8", "parallel.pp=4", "parallel.dp_shard=2"],
+     "tp·cp·pp·dp_outer·dp_shard = 8·1·4·1·2 = 64 must equal the world size 131072; to let FSDP take the rest, set "
+     "dp_shard=-1 (parallel.dp_shard=-1 on the command line; here dp_shard=4096)"),
     (["parallel.tpp=2"], "'parallel.tpp' (did you mean 'parallel.tp'?)"),
-    (["--rank", "4"], "rank 4 is outside the world of 4 ranks (valid: 0..3)"),
+    (["--rank", "4"], "--rank 4: must be in 0..3 (the world has 4 ranks)"),
     (["--groups", "tp,dp_shrd"], "unknown group 'dp_shrd' (did you mean 'dp_shard'?)"),
     (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be a positive integer"),
-    (["-g", "0"], "ranks_per_node=0 must be a positive integer"),
+    (["-g", "0"], "--ranks-per-node 0: must be a positive integer"),
 ])
 def test_bad_config_exits_2_with_the_message(capsys, argv, message):
     code, out, err = run(capsys, DEFAULT, *argv)

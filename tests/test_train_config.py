@@ -85,7 +85,8 @@ def test_gpu_config_is_the_larger_cuda_run():
     (["model.distribute_saved_activations=true"], "needs model.recompute=true"),
     (["train.fail_at_step=3", "train.fail_rank=4"], "train.fail_rank=4 is not a rank of the world of 4"),
     (["data.source=text"], "data.source=text needs data.path to be an existing file, got None"),
-    (["parallel.tp=3"], "must equal the world size 4"),
+    (["parallel.tp=3"], "world size 4 is not divisible by tp=3"),
+    (["parallel.dp_shard=4"], "= 8 must equal the world size 4; to let FSDP take the rest, set dp_shard=-1"),
     (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be a positive integer"),
 ])
 def test_invalid_jobs_name_the_rule(overrides, message):

@@ -347,6 +347,10 @@ class JobConfig:
                   f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
         return s
 
+    def validate_sections(self) -> None:
+        """Every check of :meth:`validate` that needs no world size (what ``megashard plan`` checks of a job)."""
+        self._validate_sections()
+
     def _validate_sections(self) -> None:
         m, t, o, d, c, la = self.model, self.train, self.optim, self.data, self.checkpoint, self.launch
         for where, v in (("model.vocab_size", m.vocab_size), ("model.seq_len", m.seq_len), ("model.hidden", m.hidden),
