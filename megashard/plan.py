@@ -82,13 +82,15 @@ def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None
         config = job.parallel
     else:  # a bare parallel config
         config = ParallelConfig.from_dict(parallel_section(doc, path))
+    what = "world size"
     if world_size is None:
         world_size = launch_world_size(doc, path)
+        what = "world size launch.nnodes × launch.nproc_per_node ="
         if world_size is None:
             raise ConfigError(
                 f"{path}: no world size: pass --world-size N or add 'launch: {{nnodes: 1, nproc_per_node: N}}' to the config"
             )
-    check_world_size(world_size)
+    check_world_size(world_size, what)
     return config, world_size
 
 

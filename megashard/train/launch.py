@@ -120,6 +120,9 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
             notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "
                          "`srun --ntasks-per-node=1 megashard run ...`")
     job.validate()
+    from megashard.train.preflight import check_job_here
+
+    check_job_here(job)  # paths and devices of this machine
     if job.launch.nnodes > 1 and not job.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes={job.launch.nnodes} needs launch.rdzv_endpoint=<host:port> of a node every node can reach "
@@ -132,9 +135,11 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
         # (pytorch/pytorch#135712). A store per attempt makes max_restarts work.
         child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if "PYTHONWARNINGS" not in env:
-        # torch warns at import when numpy is absent; megashard does not need numpy, so keep the log clean.
-        child_env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy"
+    # torch warns at import when numpy is absent; megashard does not need numpy, so keep the log clean (in
+    # torchrun and every worker). Appended to the user's own filters: later entries win for that message only.
+    quiet = "ignore:Failed to initialize NumPy"
+    if quiet not in env.get("PYTHONWARNINGS", ""):
+        child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
     return LaunchPlan(job, path, torchrun_command(job, path), child_env, notes)
