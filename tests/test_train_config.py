@@ -127,7 +127,8 @@ def test_single_node_command_is_torchrun_standalone():
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p.env["OMP_NUM_THREADS"] >= "1"
     assert p.env["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy"
     user_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "OMP_NUM_THREADS": "3", "PYTHONWARNINGS": "default"}
-    assert plan_launch(DEFAULT, [], env=user_env).env == {}  # the user's own settings win
+    # The user's own settings win; only the NumPy message is added to their warning filters.
+    assert plan_launch(DEFAULT, [], env=user_env).env == {"PYTHONWARNINGS": "default,ignore:Failed to initialize NumPy"}
 
 
 def test_multi_node_needs_an_endpoint_and_passes_rendezvous_options():

@@ -3,7 +3,8 @@
     megashard run configs/default.yaml train.steps=50 parallel.tp=1
 
 1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
-   launch.nproc_per_node`` — a bad config fails here with exit code 2, before any process starts.
+   launch.nproc_per_node``, and the job against this machine (output directories, CUDA/NCCL, memory:
+   :mod:`megashard.train.preflight`) — a bad config fails here with exit code 2, before any process starts.
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
@@ -120,9 +121,6 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
             notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "
                          "`srun --ntasks-per-node=1 megashard run ...`")
     job.validate()
-    from megashard.train.preflight import check_job_here
-
-    check_job_here(job)  # paths and devices of this machine
     if job.launch.nnodes > 1 and not job.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes={job.launch.nnodes} needs launch.rdzv_endpoint=<host:port> of a node every node can reach "
@@ -158,7 +156,10 @@ def _write_config(job: JobConfig, path: str) -> None:
 
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError)."""
+    from megashard.train.preflight import check_job_here
+
     plan = plan_launch(config, overrides)
+    check_job_here(plan.job)  # this machine: output paths, devices, memory (before anything is written or started)
     job, s = plan.job, plan.job.validate()
     keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
