@@ -51,8 +51,9 @@ def _fmt_divisors(n: int, limit: int = 16) -> str:
 class ParallelConfig:
     """How the ranks of a job are split into parallel axes.
 
-    Every size is a positive integer or ``-1`` (at most one free size per layout: derived from the
-    world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies fastest).
+    Every size is a positive integer up to MAX_WORLD_SIZE (2^24) or ``-1`` (at most one free size per layout:
+    derived from the world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies
+    fastest). Checked at construction (:meth:`validate`): an invalid value raises ConfigError right away.
     """
 
     tp: int = 1
@@ -79,11 +80,12 @@ class ParallelConfig:
     """Megatron rank order: axis tokens joined by ``-``, leftmost varies fastest. Tokens: tp, cp, ep, dp, pp;
     a token of an axis with size > 1 must appear; missing size-1 tokens are appended."""
     backend: str = "auto"
-    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl``, ``gloo`` or ``fake`` (simulation)."""
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl``, ``gloo`` or ``fake`` (simulation).
+    ``nccl`` needs ``device`` cuda or auto (and, when a job starts, CUDA devices)."""
     device: str = "auto"
     """Device type of the meshes: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
     timeout: float = 600.0
-    """Timeout of every process group megashard creates, in seconds (> 0)."""
+    """Timeout of every process group megashard creates, in seconds (0 < timeout ≤ 1e9)."""
     seed: int = 1234
     """Base random seed (data-parallel stream = seed; model-parallel = seed + 2718 + tp_rank)."""
 
