@@ -41,6 +41,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _fmt_divisors(n: int, limit: int = 16) -> str:
+    """The divisors of ``n`` for an error message, the middle elided beyond ``limit``."""
+    if n > 1 << 40:  # a user's typo, e.g. a batch of 10^15: list the small divisors only (O(2^16) steps)
+        return ", ".join(str(d) for d in range(1, 1 << 16) if n % d == 0)[:200] + ", …"
     ds = _divisors(n)
     if len(ds) > limit:
         ds = ds[: limit // 2] + ["…"] + ds[-limit // 2 :]  # type: ignore[list-item]
