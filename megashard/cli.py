@@ -7,7 +7,8 @@
 Each subcommand lives in a ``_add_<name>(subparsers)`` function that builds its parser and sets
 ``handler`` (a function ``args -> exit code``). Exit codes: 0 success, 1 the command ran but found a
 problem (e.g. ``plan --strict`` with locality warnings, an unwritable output file), 2 bad usage or an
-invalid config (the message goes to stderr, no traceback).
+invalid config: one stderr line ``megashard <cmd>: error: ...`` (argparse's usage errors too), no traceback,
+no process started.
 """
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
 """`megashard plan`: the report of a parallel layout for any world size, without processes.
 
-Everything here is arithmetic over :class:`~megashard.layout.RankLayout` (no torch.distributed), so a
-plan of one rank of a 131,072-rank world takes well under a second:
+Everything here is arithmetic over :class:`~megashard.layout.RankLayout` (no torch.distributed), and
+nothing of the world's size is listed for one rank's report, so its cost does not grow with the world
+size (2^24 ranks: milliseconds; benchmarks/plan_scale.py):
 
-- :func:`load_config` — the ``parallel:`` section and the launcher's world size of a job YAML;
-- :func:`build_plan` — a JSON-ready dict: resolved sizes, the groups and coordinates of one rank,
-  optionally every group of every name, and the node-locality report;
-- :func:`format_table` — the human-readable text of such a dict;
-- :func:`locality` — which groups cross node boundaries (per-group arithmetic, not per-rank lists);
+- :func:`load_config` — a job YAML checked section by section, its parallel config and world size;
+- :func:`build_plan` — resolved sizes, the groups (:class:`~megashard.layout.GroupMembers`) and
+  coordinates of one rank, optionally every group of every name, and the node-locality report;
+- :func:`check_listing` — the bound (MAX_LISTED_RANKS) on listing every group, with how to narrow it;
+- :func:`plan_to_json` / :func:`format_table` — the plan as JSON or as human-readable text;
+- :func:`locality` — which groups cross node boundaries (arithmetic on group bases, never group lists);
 - :func:`render_svg` — a picture of the rank grid, one panel per group name, cells coloured by group.
 """
 from __future__ import annotations
@@ -40,6 +42,8 @@ SVG_DEFAULT_GROUPS = ("tp", "cp", "dp", "dp_shard", "dp_outer", "pp", "ep", "exp
 MAX_LISTED_RANKS = 1 << 22
 #: Most ranks an SVG picture may draw (each rank is one cell per panel).
 MAX_SVG_RANKS = 1 << 14
+#: The keys of a bare parallel config (a YAML file without sections).
+_PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
 #: Sizes shown by the plan, in this order.
 SIZE_KEYS = ("world_size", "tp", "cp", "pp", "vpp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "order")
 
@@ -92,9 +96,6 @@ def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None
             )
     check_world_size(world_size, what)
     return config, world_size
-
-
-_PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def parse_group_names(spec: str | None) -> list[str] | None:
