@@ -7,16 +7,17 @@
 Each subcommand lives in a ``_add_<name>(subparsers)`` function that builds its parser and sets
 ``handler`` (a function ``args -> exit code``). Exit codes: 0 success, 1 the command ran but found a
 problem (e.g. ``plan --strict`` with locality warnings, an unwritable output file), 2 bad usage or an
-invalid config (the message goes to stderr, no traceback).
+invalid config: one stderr line ``megashard <cmd>: error: ...`` (argparse's usage errors too), no traceback,
+no process started.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
-from megashard.errors import MegashardError
+from megashard.errors import ConfigError, MegashardError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -80,14 +81,60 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_plan, parser=p, accepts_overrides=True)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from megashard.layout import RankLayout
-    from megashard.plan import build_plan, format_table, load_config, locality, parse_group_names, render_svg
+def _check_int(option: str, value: int, low: int, high: int | None = None, note: str = "") -> None:
+    """ConfigError naming the option unless ``low <= value <= high``."""
+    if value < low or (high is not None and value > high):
+        if high is None:
+            rule = "a positive integer" if low == 1 else f"an integer >= {low}"
+        else:
+            rule = f"in {low}..{high:,}"
+        raise ConfigError(f"{option} {value}: must be {rule}{note}")
 
+
+def _check_output_path(option: str, path: str) -> None:
+    """ConfigError when ``path`` cannot be a new file: its directory is missing or it is a directory."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, 'layout.svg')}")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{option} {path}: the directory {parent} does not exist; create it or write elsewhere")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megashard.layout import GROUP_NAMES, RankLayout
+    from megashard.plan import (
+        MAX_LISTED_RANKS, MAX_SVG_RANKS, build_plan, check_listing, format_table, load_config, locality,
+        parse_group_names, plan_to_json, render_svg,
+    )
+
+    # Options first (cheap, and each names itself), then the config.
+    _check_int("--max-members", args.max_members, 0, note=" (0 = never abbreviate)")
+    _check_int("--ranks-per-node", args.ranks_per_node, 1)
+    _check_int("--svg-max-ranks", args.svg_max_ranks, 1, MAX_SVG_RANKS)
+    if args.world_size is not None:
+        from megashard.config import MAX_WORLD_SIZE
+
+        _check_int("--world-size", args.world_size, 1, MAX_WORLD_SIZE, note=" (megashard's largest world, 2^24)")
+    names = parse_group_names(args.groups)
+    if args.groups is not None and not names:
+        raise ConfigError(f"--groups {args.groups!r} names no group; give names such as tp,dp (valid: {', '.join(GROUP_NAMES)})")
+    if args.svg:
+        _check_output_path("--svg", args.svg)
     config, world_size = load_config(args.config, args.overrides, args.world_size)
     layout = RankLayout(config, world_size)
-    names = parse_group_names(args.groups)
+    _check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
+    shown = names or list(GROUP_NAMES)
+    for n in shown:
+        layout.size(n)  # an unknown name fails here, before any listing
+    if as_json or args.all_groups:
+        check_listing(layout, shown, rank_groups=as_json)
+    elif args.max_members == 0 and sum(layout.size(n) for n in shown) > MAX_LISTED_RANKS:
+        raise ConfigError(f"--max-members 0 would print {sum(layout.size(n) for n in shown):,} rank ids for rank "
+                          f"{args.rank}'s groups, more than {MAX_LISTED_RANKS:,}; abbreviate (e.g. --max-members 16) "
+                          "or name fewer groups with --groups")
     report = locality(layout, args.ranks_per_node)
     plan = build_plan(layout, args.rank, args.ranks_per_node, names, all_groups=as_json or args.all_groups,
                       report=report)
@@ -96,7 +143,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), **plan}
-        sys.stdout.write(json.dumps(plan) + "\n")
+        sys.stdout.write(plan_to_json(plan) + "\n")
     else:
         source = args.config + ("".join(f" {o}" for o in args.overrides))
         sys.stdout.write(format_table(plan, args.max_members, source))
@@ -304,24 +351,43 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _a
 
 
 # ---------------------------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: ``megashard plan: error: ... (see 'megashard plan --help')``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of SUBCOMMANDS."""
     from megashard import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="megashard",
         description="megashard: parallel layouts (tp, cp, dp, pp, ep, ...) of large-model training on PyTorch.",
         epilog="run 'megashard COMMAND --help' for the options of a command",
     )
     parser.add_argument("--version", action="version", version=f"megashard {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # subparsers are _Parser too
     for add in SUBCOMMANDS:
         add(sub)
     return parser
 
 
+def quiet_numpy_warning() -> None:
+    """Hide torch's import-time "Failed to initialize NumPy" UserWarning (megashard does not use numpy).
+
+    Only that message, only in megashard's own entry points (the CLI; workers get it through
+    PYTHONWARNINGS from ``megashard run``); call before torch is imported.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script passes it to sys.exit)."""
+    quiet_numpy_warning()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -344,5 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except MegashardError as e:
-        print(f"megashard {args.command}: error: {e}", file=sys.stderr)
+        # One line, whatever the message holds (a file name with a newline, a nested error's text).
+        text = " ".join(str(e).split("\n"))
+        print(f"{getattr(args, 'parser', parser).prog}: error: {text}", file=sys.stderr)
         return 2

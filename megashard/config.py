@@ -20,13 +20,30 @@ from megashard.errors import ConfigError
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 BACKENDS = ("auto", "nccl", "gloo", "fake")
 DEVICES = ("auto", "cpu", "cuda")
+#: Largest world size megashard plans or initialises: 2^24 = 16,777,216 ranks (far beyond any machine; it
+#: bounds the cost of per-rank work such as meshes and listing groups).
+MAX_WORLD_SIZE = 1 << 24
+#: Largest process-group timeout in seconds (~31 years; larger values overflow torch's timedelta handling).
+MAX_TIMEOUT = 1e9
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n`` in increasing order, in O(sqrt(n)) steps (n may be huge in an error message)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def _fmt_divisors(n: int, limit: int = 16) -> str:
+    """The divisors of ``n`` for an error message, the middle elided beyond ``limit``."""
+    if n > 1 << 40:  # a user's typo, e.g. a batch of 10^15: list the small divisors only (O(2^16) steps)
+        return ", ".join(str(d) for d in range(1, 1 << 16) if n % d == 0)[:200] + ", …"
     ds = _divisors(n)
     if len(ds) > limit:
         ds = ds[: limit // 2] + ["…"] + ds[-limit // 2 :]  # type: ignore[list-item]
@@ -37,8 +54,9 @@ def _fmt_divisors(n: int, limit: int = 16) -> str:
 class ParallelConfig:
     """How the ranks of a job are split into parallel axes.
 
-    Every size is a positive integer or ``-1`` (at most one free size per layout: derived from the
-    world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies fastest).
+    Every size is a positive integer up to MAX_WORLD_SIZE (2^24) or ``-1`` (at most one free size per layout:
+    derived from the world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies
+    fastest). Checked at construction (:meth:`validate`): an invalid value raises ConfigError right away.
     """
 
     tp: int = 1
@@ -65,13 +83,18 @@ class ParallelConfig:
     """Megatron rank order: axis tokens joined by ``-``, leftmost varies fastest. Tokens: tp, cp, ep, dp, pp;
     a token of an axis with size > 1 must appear; missing size-1 tokens are appended."""
     backend: str = "auto"
-    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl``, ``gloo`` or ``fake`` (simulation)."""
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl``, ``gloo`` or ``fake`` (simulation).
+    ``nccl`` needs ``device`` cuda or auto (and, when a job starts, CUDA devices)."""
     device: str = "auto"
     """Device type of the meshes: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
     timeout: float = 600.0
-    """Timeout of every process group megashard creates, in seconds (> 0)."""
+    """Timeout of every process group megashard creates, in seconds (0 < timeout ≤ 1e9)."""
     seed: int = 1234
     """Base random seed (data-parallel stream = seed; model-parallel = seed + 2718 + tp_rank)."""
+
+    def __post_init__(self) -> None:
+        # Invalid values fail where they are written, not later in resolve() or initialize().
+        self.validate()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -81,9 +104,7 @@ class ParallelConfig:
 
         data = dict(data or {})
         reject_unknown_keys(cls, data, where)
-        cfg = cls(**data)
-        cfg.validate()
-        return cfg
+        return cls(**data)  # validated by __post_init__
 
     @classmethod
     def from_yaml(cls, path: str, overrides: Iterable[str] = ()) -> "ParallelConfig":
@@ -92,10 +113,7 @@ class ParallelConfig:
         from megashard.yamlcfg import apply_overrides, load_yaml
 
         doc = apply_overrides(load_yaml(path), overrides)
-        section = doc.get("parallel", doc) if isinstance(doc, dict) else doc
-        if not isinstance(section, dict):
-            raise ConfigError(f"{path}: the 'parallel' section must be a mapping, got {type(section).__name__}")
-        return cls.from_dict(section)
+        return cls.from_dict(parallel_section(doc, path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,6 +131,9 @@ class ParallelConfig:
             v = getattr(self, name)
             if v == 0 or v < -1:
                 raise ConfigError(f"{name}={v} is not a valid size; use a positive integer or -1 (derive it)")
+            if v > MAX_WORLD_SIZE:
+                raise ConfigError(f"{name}={v:,} is larger than the largest world size megashard supports "
+                                  f"({MAX_WORLD_SIZE:,} ranks); use a positive integer up to it, or -1 (derive it)")
         dense_free = [n for n in ("tp", "cp", "pp", "dp_outer") if getattr(self, n) == -1]
         if len(dense_free) > 1:
             raise ConfigError(
@@ -153,8 +174,12 @@ class ParallelConfig:
             raise ConfigError(f"backend={self.backend!r} is not supported; valid: {', '.join(BACKENDS)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported; valid: {', '.join(DEVICES)}")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend='nccl' runs on CUDA devices only, but device='cpu'; use backend 'gloo' "
+                              "(or 'auto') on CPU, or device 'cuda' (or 'auto') with nccl")
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or not 0 < self.timeout <= MAX_TIMEOUT):  # also refuses nan and inf
+            raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, at most {MAX_TIMEOUT:.0e}")
 
     def full_order(self) -> list[str]:
         """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule)."""
@@ -164,8 +189,7 @@ class ParallelConfig:
     def resolve(self, world_size: int) -> "ResolvedSizes":
         """All sizes for ``world_size`` ranks, every ``-1`` filled in; raises ConfigError naming the rule broken."""
         self.validate()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world size {world_size!r} must be a positive integer")
+        check_world_size(world_size)
         W = world_size
         tp, cp, pp, dp, dpo, dps = self.tp, self.cp, self.pp, self.dp, self.dp_outer, self.dp_shard
 
@@ -210,8 +234,14 @@ class ParallelConfig:
                     "set dp: -1 to derive it"
                 )
             if fixed != W:
+                others = tp * cp * pp * dpo
+                fix = (f"; to let FSDP take the rest, set dp_shard=-1 (parallel.dp_shard=-1 on the command line; "
+                       f"here dp_shard={W // others})" if W % others == 0 else
+                       f"; tp·cp·pp·dp_outer = {others} does not divide {W} either: choose sizes whose product divides "
+                       f"it (divisors: {_fmt_divisors(W)})")
                 raise ConfigError(
                     f"tp·cp·pp·dp_outer·dp_shard = {tp}·{cp}·{pp}·{dpo}·{dps} = {fixed} must equal the world size {W}"
+                    + fix
                 )
         tp, cp, pp, dpo, dps = (dense[k] for k in ("tp", "cp", "pp", "dp_outer", "dp_shard"))
         dp_resolved = dpo * dps
@@ -273,6 +303,37 @@ class ParallelConfig:
             world_size=W, tp=tp, cp=cp, pp=pp, dp=dp_resolved, dp_outer=dpo, dp_shard=dps,
             ep=ep, expt_tp=etp, expt_dp=edp, vpp=self.vpp, order=tuple(order),
         )
+
+
+def check_world_size(world_size: Any, what: str = "world size") -> None:
+    """ConfigError unless ``world_size`` is an integer in 1..MAX_WORLD_SIZE."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"{what} {world_size!r} must be a positive integer")
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"{what} {world_size:,} is larger than megashard's maximum of {MAX_WORLD_SIZE:,} ranks (2^24)")
+
+
+def parallel_section(doc: Mapping[str, Any], path: str = "config") -> Mapping[str, Any]:
+    """The ``parallel:`` mapping of a job YAML, or the whole document when it is a bare parallel config
+    (every key a ParallelConfig field); ConfigError for anything else, e.g. a mistyped ``paralel:``."""
+    if "parallel" in doc:
+        section = doc["parallel"]
+        if section is None:
+            return {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{path}: section 'parallel' must be a mapping of keys, got {type(section).__name__} "
+                              f"{section!r}")
+        return section
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    if all(k in names for k in doc):
+        return doc
+    hints = []
+    for k in doc:
+        if k not in names:
+            close = difflib.get_close_matches(str(k), ["parallel"], n=1, cutoff=0.7)
+            hints.append(f"'{k}'" + (" (did you mean 'parallel'?)" if close else ""))
+    raise ConfigError(f"{path}: no 'parallel' section; unknown section(s) {', '.join(hints)}; a bare parallel config "
+                      f"may hold only the keys {', '.join(names)}")
 
 
 @dataclass(frozen=True)

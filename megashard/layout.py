@@ -13,7 +13,7 @@ one over ``(expt_tp, ep, expt_dp, pp)`` ("MoE parallel folding").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence, overload
 
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError
@@ -112,6 +112,84 @@ class _Grid:
         return sum(coords.get(n, 0) * d for n, d in zip(self.names, self.strides))
 
 
+class GroupMembers(Sequence[int]):
+    """The ranks of one group without listing them: ``base + Σ i_k·stride_k`` over ``(size_k, stride_k)``
+    dims, first dim fastest (the order of :meth:`RankLayout.group_of`). Indexing and ``len`` are O(dims),
+    so a group of 16 million ranks costs nothing until it is iterated; ``list(m)`` lists it.
+    Equal to a list or tuple of the same ranks."""
+
+    __slots__ = ("base", "dims", "_len")
+
+    def __init__(self, base: int, dims: Iterable[tuple[int, int]]):
+        merged: list[tuple[int, int]] = []
+        for size, stride in dims:  # canonical form: size-1 dims dropped, contiguous dims merged
+            if size == 1:
+                continue
+            if merged and merged[-1][0] * merged[-1][1] == stride:
+                merged[-1] = (merged[-1][0] * size, merged[-1][1])
+            else:
+                merged.append((size, stride))
+        self.base, self.dims = base, tuple(merged)
+        n = 1
+        for size, _ in self.dims:
+            n *= size
+        self._len = n
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"group index {i} out of range for a group of {self._len} ranks")
+        r = self.base
+        for size, stride in self.dims:
+            i, c = divmod(i, size)
+            r += c * stride
+        return r
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(_Grid._span(self.dims) if not self.base else [self.base + o for o in _Grid._span(self.dims)])
+
+    def __contains__(self, rank: object) -> bool:
+        if not isinstance(rank, int):
+            return False
+        off = rank - self.base
+        for size, stride in sorted(self.dims, key=lambda d: -d[1]):  # largest stride first: greedy digits
+            c = min(off // stride, size - 1) if off >= 0 else -1
+            off -= max(c, 0) * stride
+        return off == 0 and rank >= self.base
+
+    @property
+    def stride(self) -> int | None:
+        """The step when the ranks form an arithmetic progression (one dim; 1 for a single rank), else None."""
+        if not self.dims:
+            return 1
+        return self.dims[0][1] if len(self.dims) == 1 else None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GroupMembers):
+            return (self.base, self.dims) == (other.base, other.dims)
+        if isinstance(other, (list, tuple)):
+            return len(other) == self._len and list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.base, self.dims))
+
+    def __repr__(self) -> str:
+        if self._len <= 64:
+            return repr(list(self))
+        return f"GroupMembers(base={self.base}, dims={list(self.dims)})  # {self._len} ranks"
+
+
 @dataclass(frozen=True)
 class LocalityReport:
     """Which groups cross node boundaries for ``ranks_per_node`` ranks per node."""
@@ -119,6 +197,15 @@ class LocalityReport:
     ranks_per_node: int
     crossing: dict[str, tuple[int, int]]  # name -> (groups crossing nodes, total groups)
     warnings: tuple[str, ...]
+
+
+def locality_warning(name: str, size: int, n_cross: int, n_groups: int, ranks_per_node: int) -> str:
+    """The warning for a node-local group name (NODE_LOCAL_GROUPS) whose groups cross node boundaries."""
+    return (
+        f"{name} groups (size {size}) cross node boundaries in {n_cross} of {n_groups} groups with "
+        f"{ranks_per_node} ranks per node: its collectives will run over the network; make {name} divide "
+        f"{ranks_per_node} and put it first in order"
+    )
 
 
 class RankLayout:
@@ -204,6 +291,18 @@ class RankLayout:
         grid, axes = self._grid_axes(name)
         return grid.group_of(axes, rank)
 
+    def members(self, name: str, rank: int) -> GroupMembers:
+        """``group_of(name, rank)`` without listing it: O(axes) whatever the group size (for huge worlds)."""
+        self._check_rank(rank)
+        masked, _ = self.group_dims(name)
+        return GroupMembers(rank - sum(((rank // d) % s) * d for s, d in masked), masked)
+
+    def group_dims(self, name: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(size, rank stride)`` of the axes a ``name`` group spans, and of the other axes of its layout
+        (dense or expert), fastest first: a group is ``base + Σ i·stride`` over the first list."""
+        grid, axes = self._grid_axes(name)
+        return grid._split(axes)
+
     def rank_in(self, name: str, rank: int) -> int:
         """Index of ``rank`` inside its ``name`` group."""
         self._check_rank(rank)
@@ -272,11 +371,7 @@ class RankLayout:
             n_cross = sum(1 for g in grid.groups(axes) if min(g) // G != max(g) // G)
             crossing[name] = (n_cross, n_groups)
             if n_cross and name in NODE_LOCAL_GROUPS:
-                warnings.append(
-                    f"{name} groups (size {size}) cross node boundaries in {n_cross} of {n_groups} groups with "
-                    f"{G} ranks per node: its collectives will run over the network; make {name} divide "
-                    f"{G} and put it first in order"
-                )
+                warnings.append(locality_warning(name, size, n_cross, n_groups, G))
         return LocalityReport(G, crossing, tuple(warnings))
 
     def describe(self) -> dict[str, int]:

@@ -1,38 +1,49 @@
 """`megashard plan`: the report of a parallel layout for any world size, without processes.
 
-Everything here is arithmetic over :class:`~megashard.layout.RankLayout` (no torch.distributed), so a
-plan of one rank of a 131,072-rank world takes well under a second:
+Everything here is arithmetic over :class:`~megashard.layout.RankLayout` (no torch.distributed), and
+nothing of the world's size is listed for one rank's report, so its cost does not grow with the world
+size (2^24 ranks: milliseconds; benchmarks/plan_scale.py):
 
-- :func:`load_config` — the ``parallel:`` section and the launcher's world size of a job YAML;
-- :func:`build_plan` — a JSON-ready dict: resolved sizes, the groups and coordinates of one rank,
-  optionally every group of every name, and the node-locality report;
-- :func:`format_table` — the human-readable text of such a dict;
-- :func:`locality` — which groups cross node boundaries (per-group arithmetic, not per-rank lists);
+- :func:`load_config` — a job YAML checked section by section, its parallel config and world size;
+- :func:`build_plan` — resolved sizes, the groups (:class:`~megashard.layout.GroupMembers`) and
+  coordinates of one rank, optionally every group of every name, and the node-locality report;
+- :func:`check_listing` — the bound (MAX_LISTED_RANKS) on listing every group, with how to narrow it;
+- :func:`plan_to_json` / :func:`format_table` — the plan as JSON or as human-readable text;
+- :func:`locality` — which groups cross node boundaries (arithmetic on group bases, never group lists);
 - :func:`render_svg` — a picture of the rank grid, one panel per group name, cells coloured by group.
 """
 from __future__ import annotations
 
 import colorsys
+import dataclasses
 import math
 from typing import Any, Iterable, Sequence
 from xml.sax.saxutils import escape
 
-from megashard.config import ParallelConfig
+from megashard.config import ParallelConfig, check_world_size, parallel_section
 from megashard.errors import ConfigError
 from megashard.layout import (
-    DENSE_GROUPS,
     DENSE_MESH_AXES,
     EXPERT_GROUPS,
     EXPERT_MESH_AXES,
     GROUP_NAMES,
     NODE_LOCAL_GROUPS,
+    GroupMembers,
     LocalityReport,
     RankLayout,
+    locality_warning,
 )
 from megashard.yamlcfg import apply_overrides, load_yaml
 
 #: Group names drawn by default in the SVG (size > 1 only; a duplicate of an earlier panel becomes its alias).
 SVG_DEFAULT_GROUPS = ("tp", "cp", "dp", "dp_shard", "dp_outer", "pp", "ep", "expt_tp", "expt_dp")
+#: Most rank ids a plan may list in full (every group of the shown names for --format json or --all-groups,
+#: plus the rank's own groups in JSON): 2^22, e.g. all 20 group names of a 131,072-rank world (~20 MB of JSON).
+MAX_LISTED_RANKS = 1 << 22
+#: Most ranks an SVG picture may draw (each rank is one cell per panel).
+MAX_SVG_RANKS = 1 << 14
+#: The keys of a bare parallel config (a YAML file without sections).
+_PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
 #: Sizes shown by the plan, in this order.
 SIZE_KEYS = ("world_size", "tp", "cp", "pp", "vpp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "order")
 
@@ -59,19 +70,31 @@ def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
 def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None = None) -> tuple[ParallelConfig, int]:
     """The job's ParallelConfig (``parallel:`` section, overrides applied) and its world size.
 
-    ``world_size`` wins; otherwise it is ``launch.nnodes · launch.nproc_per_node`` from the file.
+    Every section of a job YAML is checked as ``megashard run`` checks it (unknown sections and keys, types,
+    per-section rules), but only the parallel layout is resolved against the world size: a plan for another
+    world size need not fit the job's model or batch. A bare parallel config (only ParallelConfig keys) is
+    accepted too. ``world_size`` wins; otherwise it is ``launch.nnodes · launch.nproc_per_node`` from the file.
     Raises ConfigError when neither is available or anything is invalid.
     """
     overrides = list(overrides)
-    config = ParallelConfig.from_yaml(path, overrides)
+    doc = apply_overrides(load_yaml(path), overrides)
+    if "parallel" in doc or not all(k in _PARALLEL_KEYS for k in doc):
+        from megashard.train.config import JobConfig
+
+        job = JobConfig.from_dict(doc, name="plan")
+        job.validate_sections()
+        config = job.parallel
+    else:  # a bare parallel config
+        config = ParallelConfig.from_dict(parallel_section(doc, path))
+    what = "world size"
     if world_size is None:
-        world_size = launch_world_size(apply_overrides(load_yaml(path), overrides), path)
+        world_size = launch_world_size(doc, path)
+        what = "world size launch.nnodes × launch.nproc_per_node ="
         if world_size is None:
             raise ConfigError(
                 f"{path}: no world size: pass --world-size N or add 'launch: {{nnodes: 1, nproc_per_node: N}}' to the config"
             )
-    elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world size {world_size!r} must be a positive integer")
+    check_world_size(world_size, what)
     return config, world_size
 
 
@@ -84,17 +107,6 @@ def parse_group_names(spec: str | None) -> list[str] | None:
 
 
 # ---------------------------------------------------------------------------------------------- locality
-def _axis_strides(layout: RankLayout, expert: bool) -> dict[str, tuple[int, int]]:
-    """axis -> (size, rank stride) of the dense or expert grid, read off each axis' group of rank 0."""
-    single = {"pp": "expt_pp"} if expert else {}
-    out = {}
-    for axis in EXPERT_MESH_AXES if expert else DENSE_MESH_AXES:
-        name = single.get(axis, axis)
-        g = layout.group_of(name, 0)
-        out[axis] = (len(g), g[1] if len(g) > 1 else 0)
-    return out
-
-
 def _base_residues(dims: Iterable[tuple[int, int]], G: int) -> dict[int, int]:
     """How many group bases (all sums of ``i·stride``, ``0 <= i < size`` per dim) have each residue mod G.
 
@@ -116,46 +128,68 @@ def _base_residues(dims: Iterable[tuple[int, int]], G: int) -> dict[int, int]:
     return counts
 
 
-def locality(layout: RankLayout, ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
-    """Same result as ``layout.locality(ranks_per_node, names)``, computed without listing every group.
+def _residue_cost(dims: Iterable[tuple[int, int]], G: int) -> int:
+    """An upper bound of the dictionary updates :func:`_base_residues` makes."""
+    cost, n = 0, 1
+    for size, stride in dims:
+        if size > 1:
+            steps = min(size, G // math.gcd(stride, G))
+            cost += n * steps
+            n = min(G, n * steps)
+    return cost
 
-    A group is ``base + offsets`` with the smallest offset 0 and the largest ``span``, so it crosses a
-    node boundary iff ``base % G + span >= G``: only the residues of the group bases mod G are counted,
-    never the groups themselves, so a 131,072-rank report takes milliseconds.
+
+def _bases_below(x: int, masked: Sequence[tuple[int, int]], rest: Sequence[tuple[int, int]]) -> int:
+    """How many group bases (ranks whose coordinates on the ``masked`` dims are 0) are < ``x``; O(dims)."""
+    dims = sorted([(s, d, True) for s, d in masked if s > 1] + [(s, d, False) for s, d in rest if s > 1],
+                  key=lambda t: t[1])
+    free_below = [1]  # bases per value of the lower digits
+    for size, _, is_masked in dims:
+        free_below.append(free_below[-1] * (1 if is_masked else size))
+    count = 0
+    for k in range(len(dims) - 1, -1, -1):  # most significant digit first
+        size, stride, is_masked = dims[k]
+        digit = (x // stride) % size
+        count += (min(digit, 1) if is_masked else digit) * free_below[k]
+        if is_masked and digit:
+            return count
+    return count
+
+
+def locality(layout: RankLayout, ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
+    """Same result as ``layout.locality(ranks_per_node, names)``, computed without listing any group.
+
+    A group is ``base + offsets`` with the smallest offset 0 and the largest ``span``, so (when
+    ``span < G``) it crosses a node boundary iff ``base % G + span >= G``. Either the residues of the
+    group bases mod G are counted (cost independent of the world size, at most ~G² per axis) or, when
+    fewer, the bases in the ``span`` ranks before every node boundary (O(world / G)) — whichever is
+    cheaper: a 16,777,216-rank report takes milliseconds.
     """
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ConfigError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
-    G = ranks_per_node
-    grids = {False: _axis_strides(layout, False), True: _axis_strides(layout, True)}
+    G, W = ranks_per_node, layout.world_size
     crossing: dict[str, tuple[int, int]] = {}
-    warn_names = []
+    warnings = []
     for name in names:
         if name == "world":
             continue
-        if name in DENSE_GROUPS:
-            grid, axes = grids[False], DENSE_GROUPS[name]
-        elif name in EXPERT_GROUPS:
-            grid, axes = grids[True], EXPERT_GROUPS[name]
-        else:  # Megatron token strings ("tp-pp"): rare, take the exact (slower) path
-            crossing.update(layout.locality(G, [name]).crossing)
-            continue
-        size = math.prod(grid[a][0] for a in axes)
-        n_groups = layout.world_size // size
-        if size == 1:
-            crossing[name] = (0, n_groups)
-            continue
-        span = sum((grid[a][0] - 1) * grid[a][1] for a in axes)
-        threshold = G - span  # crosses iff base % G >= G - span
-        if threshold <= 0:
+        masked, rest = layout.group_dims(name)  # also validates the name
+        size = math.prod(s for s, _ in masked)
+        n_groups = W // size
+        span = sum((s - 1) * d for s, d in masked)
+        if size == 1 or G >= W:
+            n_cross = 0
+        elif span >= G:
             n_cross = n_groups
-        else:
-            residues = _base_residues([grid[a] for a in grid if a not in axes], G)
-            n_cross = sum(c for r, c in residues.items() if r >= threshold)
+        elif _residue_cost(rest, G) <= 4 * (W // G):
+            residues = _base_residues(rest, G)
+            n_cross = sum(c for r, c in residues.items() if r >= G - span)
+        else:  # bases in [p - span, p) for every node boundary p (disjoint ranges since span < G)
+            n_cross = sum(_bases_below(p, masked, rest) - _bases_below(p - span, masked, rest)
+                          for p in range(G, W, G))
         crossing[name] = (n_cross, n_groups)
         if n_cross and name in NODE_LOCAL_GROUPS:
-            warn_names.append(name)
-    # The warning text is the layout's own (computed only for the few groups that need one).
-    warnings = layout.locality(G, warn_names).warnings if warn_names else ()
+            warnings.append(locality_warning(name, size, n_cross, n_groups, G))
     return LocalityReport(G, crossing, tuple(warnings))
 
 
@@ -172,7 +206,8 @@ def build_plan(
 
     Keys: ``sizes`` (every resolved size, ``order`` as a string), ``mesh`` (dense and expert mesh
     axes → sizes), ``rank``, ``coords`` (the rank's index on every axis), ``rank_groups`` (name →
-    ``{"ranks", "rank_in_group", "group_index", "num_groups"}``), ``locality`` (``ranks_per_node``,
+    ``{"ranks", "rank_in_group", "group_index", "num_groups"}``; ``ranks`` is a
+    :class:`~megashard.layout.GroupMembers`, equal to the list, listed by :func:`plan_to_json`), ``locality`` (``ranks_per_node``,
     ``crossing``: name → [groups crossing nodes, groups], ``warnings``) and, with ``all_groups``,
     ``groups`` (name → every group, Megatron order). ``names`` restricts the group names (default:
     every name in GROUP_NAMES). ``report``: a :func:`locality` result to reuse (computed if None).
@@ -181,7 +216,7 @@ def build_plan(
     sizes = layout.sizes.as_dict()
     rank_groups = {}
     for n in names:
-        members = layout.group_of(n, rank)  # validates rank and name (ConfigError)
+        members = layout.members(n, rank)  # validates rank and name (ConfigError); O(axes), not O(group)
         rank_groups[n] = {
             "ranks": members,
             "rank_in_group": layout.rank_in(n, rank),
@@ -205,8 +240,36 @@ def build_plan(
         },
     }
     if all_groups:
+        check_listing(layout, names, rank_groups=False)
         plan["groups"] = {n: layout.groups(n) for n in names}
     return plan
+
+
+def check_listing(layout: RankLayout, names: Sequence[str], rank_groups: bool) -> None:
+    """ConfigError when listing every group of ``names`` (and, with ``rank_groups``, the rank's own groups)
+    would exceed MAX_LISTED_RANKS rank ids; the message says how to narrow it."""
+    total = layout.world_size * len(names)
+    if rank_groups:
+        total += sum(layout.size(n) for n in names)
+    if total > MAX_LISTED_RANKS:
+        per_name = layout.world_size + (max(layout.size(n) for n in names) if rank_groups else 0)
+        fit = MAX_LISTED_RANKS // per_name
+        if fit:
+            fix = f"name at most {fit} with --groups (e.g. --groups {'tp,pp' if fit > 1 else 'tp'})"
+        else:
+            fix = f"even one name is too many at {layout.world_size:,} ranks"
+        raise ConfigError(
+            f"listing every group of {len(names)} group name(s) for {layout.world_size:,} ranks means {total:,} rank "
+            f"ids, more than the {MAX_LISTED_RANKS:,} a plan lists: {fix}; the table format without --all-groups "
+            "shows one rank's groups for any world size"
+        )
+
+
+def plan_to_json(plan: dict[str, Any]) -> str:
+    """The plan as one line of JSON (group members listed in full)."""
+    import json
+
+    return json.dumps(plan, default=list)
 
 
 def format_members(ranks: Sequence[int], limit: int = 16) -> str:
@@ -215,7 +278,11 @@ def format_members(ranks: Sequence[int], limit: int = 16) -> str:
         return "[" + ", ".join(map(str, ranks)) + "]"
     head = ", ".join(map(str, ranks[:3]))
     step = ranks[1] - ranks[0]
-    if step > 0 and list(ranks) == list(range(ranks[0], ranks[-1] + 1, step)):  # C-speed progression check
+    if isinstance(ranks, GroupMembers):  # O(1): never list a huge group
+        progression = ranks.stride is not None
+    else:  # C-speed progression check
+        progression = step > 0 and list(ranks) == list(range(ranks[0], ranks[-1] + 1, step))
+    if progression:
         return f"[{head}, …, {ranks[-1]}] ({len(ranks)} ranks, stride {step})"
     return f"[{head}, …, {ranks[-2]}, {ranks[-1]}] ({len(ranks)} ranks)"
 
@@ -272,19 +339,32 @@ def _align(rows: list[tuple[str, ...]]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- SVG
 def _palette(n: int) -> list[str]:
-    """``n`` distinct hex colours; consecutive indices far apart in hue (golden angle), three lightnesses."""
+    """``n`` distinct hex colours; consecutive indices far apart in hue (golden angle), three lightnesses.
+
+    A lightness/saturation pair holds ~500 distinct hues; once one is full, further colours come from a
+    bijection of the index into RGB (distinct, not pretty), so thousands of groups cost milliseconds.
+    """
     out: list[str] = []
     seen: set[str] = set()
+    full: set[tuple[float, float]] = set()
     for k in range(n):
         h = (k * 137.508) % 360.0
         light = (0.62, 0.78, 0.48)[(k // 7) % 3]
         sat = (0.65, 0.45)[(k // 21) % 2]
-        while True:
-            r, g, b = colorsys.hls_to_rgb(h / 360.0, light, sat)
-            c = "#%02x%02x%02x" % (round(r * 255), round(g * 255), round(b * 255))
-            if c not in seen:
-                break
-            h = (h + 0.7) % 360.0  # rounding collision: nudge the hue
+        c = ""
+        if (light, sat) not in full:
+            for _ in range(520):  # 360 / 0.7 nudges go once round the hue circle
+                r, g, b = colorsys.hls_to_rgb(h / 360.0, light, sat)
+                c = "#%02x%02x%02x" % (round(r * 255), round(g * 255), round(b * 255))
+                if c not in seen:
+                    break
+                h = (h + 0.7) % 360.0  # rounding collision: nudge the hue
+            else:
+                full.add((light, sat))
+        j = k
+        while not c or c in seen:  # odd multiplier: a bijection of 0..2^24-1, so this ends quickly
+            c = "#%06x" % ((j * 2654435761) % (1 << 24))
+            j += n
         seen.add(c)
         out.append(c)
     return out
@@ -314,7 +394,7 @@ def default_svg_groups(layout: RankLayout, shown: int) -> dict[str, list[str]]:
             continue
         first: dict[int, int] = {}
         # Same colouring of the shown ranks, same size and same first/last groups: an alias, not a panel.
-        key = (layout.size(n), tuple(layout.group_of(n, 0)), tuple(layout.group_of(n, layout.world_size - 1)),
+        key = (layout.size(n), layout.members(n, 0), layout.members(n, layout.world_size - 1),
                tuple(first.setdefault(layout.group_index(n, r), len(first)) for r in range(shown)))
         if key in seen:
             chosen[seen[key]].append(n)
@@ -342,8 +422,9 @@ def render_svg(
     W, G = layout.world_size, ranks_per_node
     if G < 1:
         raise ConfigError(f"ranks_per_node={G} must be a positive integer")
-    if max_ranks < 1:
-        raise ConfigError(f"max_ranks={max_ranks} must be a positive integer")
+    if not 1 <= max_ranks <= MAX_SVG_RANKS:
+        raise ConfigError(f"svg max_ranks={max_ranks} must be in 1..{MAX_SVG_RANKS:,} (bigger worlds show their "
+                          "first whole nodes)")
     if W <= max_ranks:
         shown = W
     else:
@@ -398,7 +479,7 @@ def render_svg(
         n_groups = W // size
         cross = report.crossing.get(name)
         extra = f", {cross[0]:,} crossing nodes" if cross and cross[0] else ""
-        mine = layout.group_of(name, rank)  # also validates rank and name
+        mine = layout.members(name, rank)  # also validates rank and name
         alias = f" (= {', '.join(aliases)})" if aliases else ""
         caption = f"{name}{alias}: size {size}, {n_groups:,} group{'s' if n_groups > 1 else ''}{extra}"
         parts.append(f'<g class="panel" data-group-name="{escape(name)}" transform="translate(0,{top})">')

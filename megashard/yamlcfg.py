@@ -12,19 +12,83 @@ import yaml
 from megashard.errors import ConfigError
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges are not duplicates
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+                seen[key] = line
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+            if first is not None:
+                where = f"twice on line {line}" if first == line else f"on lines {first} and {line}"
+                raise ConfigError(
+                    f"{self.name}: duplicate key {key!r} {where} (YAML would silently keep only the last one); "
+                    "keep one of them"
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    """One line for a YAML syntax error: the problem and where it is (line:column, 1-based)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return ConfigError(f"{path}: not valid YAML{where}: {problem}" + (f" ({context})" if context else ""))
+
+
 def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML mapping with ``yaml.safe_load`` (no arbitrary Python objects)."""
-    if not os.path.isfile(path):
+    """Read a YAML mapping safely (no arbitrary Python objects); a duplicate key is an error.
+
+    Raises ConfigError with one line for a path that is missing, a directory or not a regular file,
+    unreadable, not UTF-8 text (naming the line and byte), not valid YAML (line and column), or whose top level
+    is not a mapping.
+    """
+    if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    if os.path.isdir(path):
+        try:
+            found = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))
+        except OSError:
+            found = []
+        hint = f"one of its YAML files: {', '.join(found[:8])}" if found else "a YAML file"
+        raise ConfigError(f"config file {path!r} is a directory; give {hint}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} is not a regular file (a device, pipe or socket); give a YAML file")
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"config file {path!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line} (byte offset {e.start}) "
+            "is not valid UTF-8; save the file as UTF-8"
+        ) from None
+    loader = UniqueKeyLoader(text)
+    loader.name = path
+    try:
+        doc = loader.get_single_data()
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise _yaml_error(path, e) from None
+    finally:
+        loader.dispose()
     if doc is None:
         return {}
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(doc).__name__}")
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(doc).__name__}; a job YAML holds "
+                          "sections such as 'parallel:' and 'model:'")
     return doc
 
 

@@ -149,10 +149,25 @@ def test_locality_warning_for_tp_across_nodes(capsys):
     (dict(tp=2, pp=4), 16), (dict(tp=4, cp=2, dp_outer=2), 32), (dict(tp=2, ep=4, expt_tp=2, pp=2), 48),
     (dict(tp=2, pp=3, order="tp-pp-dp"), 24), (dict(tp=3, ep=2, pp=2), 24),
 ])
-def test_fast_locality_equals_layout_locality(kw, world):
+def test_fast_locality_equals_layout_locality(kw, world, monkeypatch):
+    import megashard.plan as plan_mod
+
     layout = RankLayout(ParallelConfig(**kw), world)
-    for g in (1, 2, 3, 4, 6, 8, 16, 64):
-        assert locality(layout, g) == layout.locality(g), g
+    for g in (1, 2, 3, 4, 5, 6, 8, 16, world - 1, world, 64):
+        want = layout.locality(g)
+        assert locality(layout, g) == want, g
+        # Both counting strategies: residues of the group bases mod G, and bases before each node boundary.
+        for cost in (lambda dims, G: 0, lambda dims, G: 1 << 60):
+            monkeypatch.setattr(plan_mod, "_residue_cost", cost)
+            assert locality(layout, g) == want, g
+        monkeypatch.undo()
+
+
+def test_palette_is_distinct_for_thousands_of_groups():
+    from megashard.plan import _palette
+
+    assert len(set(_palette(16384))) == 16384  # beyond ~3,000 the hue circles are full: must not hang
+    assert _palette(40) == _palette(16384)[:40]
 
 
 # ---------------------------------------------------------------------------------------------- SVG
@@ -200,12 +215,16 @@ def test_overrides_change_the_plan(capsys):
 
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("argv,message", [
-    (["-w", "16", "parallel.tp=3"], "tp·cp·pp·dp_outer·dp_shard = 3·1·1·1·2 = 6 must equal the world size 16"),
+    (["-w", "16", "parallel.tp=3"], "world size 16 is not divisible by tp=3·cp=1·pp=1·dp_outer=1 = 3; valid products "
+                                    "for this world: 1, 2, 4, 8, 16"),
+    (["-w", "131072", "parallel.tp=8", "parallel.pp=4", "parallel.dp_shard=2"],
+     "tp·cp·pp·dp_outer·dp_shard = 8·1·4·1·2 = 64 must equal the world size 131072; to let FSDP take the rest, set "
+     "dp_shard=-1 (parallel.dp_shard=-1 on the command line; here dp_shard=4096)"),
     (["parallel.tpp=2"], "'parallel.tpp' (did you mean 'parallel.tp'?)"),
-    (["--rank", "4"], "rank 4 is outside the world of 4 ranks (valid: 0..3)"),
+    (["--rank", "4"], "--rank 4: must be in 0..3 (the world has 4 ranks)"),
     (["--groups", "tp,dp_shrd"], "unknown group 'dp_shrd' (did you mean 'dp_shard'?)"),
     (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be a positive integer"),
-    (["-g", "0"], "ranks_per_node=0 must be a positive integer"),
+    (["-g", "0"], "--ranks-per-node 0: must be a positive integer"),
 ])
 def test_bad_config_exits_2_with_the_message(capsys, argv, message):
     code, out, err = run(capsys, DEFAULT, *argv)
@@ -252,6 +271,21 @@ def test_plan_of_one_rank_of_131072(capsys, tmp_path):
     assert len([c for c in tp.iter(SVG + "rect") if c.get("class") == "cell"]) == 64
     assert "showing the first 64 of 131,072 ranks (8 nodes of 8); rank 131071 marked" in {
         t.text for t in root.iter(SVG + "text")}
+
+
+def test_plan_of_one_rank_of_the_largest_world(capsys):
+    """2^24 ranks: nothing of the world's size is listed (the rank's dp group alone has 2^19 members)."""
+    W = 1 << 24
+    code, out, err = run(capsys, DEFAULT, "-w", str(W), "parallel.tp=8", "parallel.pp=4", "--rank", str(W - 1))
+    assert code == 0, err
+    rows = table_rows(section(out, f"groups of rank {W - 1}"))
+    assert rows["dp"] == ["524288", "524287", "31/32", "[12582919, 12582927, 12582935, …, 16777215] (524288 ranks, stride 8)"]
+    assert rows["world"][-1] == "[0, 1, 2, …, 16777215] (16777216 ranks, stride 1)"
+    assert rows["mp"][-1] == "[4194296, 4194297, 4194298, …, 16777214, 16777215] (32 ranks)"
+    loc = table_rows(section(out, "node locality"))
+    # tp=8 fills a node: no tp group crosses; every pp group (stride 2^22) and dp group does.
+    assert loc["tp"] == ["8", "0/2097152"] and loc["pp"] == ["4", "4194304/4194304"] and loc["dp"] == ["524288", "32/32"]
+    assert "--world-size 16777217: must be in 1..16,777,216" in (run(capsys, DEFAULT, "-w", str(W + 1))[2])
 
 
 # ---------------------------------------------------------------------------------------------- entry point

@@ -116,7 +116,7 @@ def test_yaml_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("text,override,regex", [
-    ("parallel: [1, 2]\n", [], r"the 'parallel' section must be a mapping, got list"),
+    ("parallel: [1, 2]\n", [], r"section 'parallel' must be a mapping of keys, got list"),
     ("- 1\n", [], r"the top level must be a mapping, got list"),
     ("parallel: {tp: 2\n", [], r"not valid YAML"),
     ("parallel: {tp: 2}\n", ["parallel.tp"], r"override 'parallel.tp' must look like key.sub=value"),

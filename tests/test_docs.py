@@ -33,3 +33,16 @@ def test_ci_runs_the_readme_test_command():
     cmd = "bash tools/setup.sh && .venv/bin/python -m pytest -q tests"
     assert cmd in readme
     assert cmd in ci.splitlines()
+    # ... and the suite again under the python3 of a clean PATH (what a new user gets), in its own venv.
+    assert "env -i PATH=/usr/local/bin:/usr/bin:/bin sh -c 'command -v python3'" in ci
+    assert 'PYTHON="$sys_py" VENV=.venv-sys bash tools/setup.sh && .venv-sys/bin/python -m pytest -q tests' in ci
+
+
+def test_setup_installs_what_the_promised_outputs_need():
+    """The README promises a loss curve (matplotlib: the plot extra) and says which torch build comes."""
+    setup = (ROOT / "tools" / "setup.sh").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert 'pip_ install -e ".[dev,plot]"' in setup and "import torch, yaml, pytest, matplotlib, megashard" in setup
+    assert "https://download.pytorch.org/whl/cpu" in setup and "https://download.pytorch.org/whl/cpu" in readme
+    assert "4.7 GB" in setup and "4.7 GB" in readme
+    assert "PYTHON=" in readme and "VENV=" in readme

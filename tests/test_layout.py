@@ -182,6 +182,30 @@ def test_group_of_rank_in_coords_consistent():
             assert lay._dense.rank_at(c) == r and lay._expert.rank_at(c) == r
 
 
+def test_members_is_group_of_without_listing():
+    from megashard.layout import GroupMembers
+
+    for cfg, world in CONFIGS[:40]:
+        lay = RankLayout(cfg, world)
+        for name in GROUP_NAMES + ("tp-pp",):
+            for r in range(world):
+                g, m = lay.group_of(name, r), lay.members(name, r)
+                assert m == g and list(m) == g and len(m) == len(g) and m[1:3] == g[1:3]
+                assert [m[i] for i in range(-len(g), len(g))] == g + g
+                assert [x for x in range(world) if x in m] == sorted(g)
+                progression = len(g) == 1 or (g[1] > g[0] and g == list(range(g[0], g[-1] + 1, g[1] - g[0])))
+                assert (m.stride is not None) == progression, (cfg, name, g)
+    # Contiguous dims merge, so equal rank lists compare equal whatever their axes.
+    assert GroupMembers(4, [(2, 1), (1, 8), (2, 2)]) == GroupMembers(4, [(4, 1)]) == [4, 5, 6, 7]
+    with pytest.raises(IndexError):
+        GroupMembers(0, [(4, 1)])[4]
+    # 2^24 ranks: O(axes) whatever the group size.
+    lay = RankLayout(ParallelConfig(tp=8, pp=4, dp_shard=-1), 1 << 24)
+    dp = lay.members("dp", (1 << 24) - 1)
+    assert len(dp) == 1 << 19 and dp.stride == 8 and dp[0] == 3 * (1 << 22) + 7 and dp[-1] == (1 << 24) - 1
+    assert 3 * (1 << 22) + 15 in dp and 3 * (1 << 22) + 8 not in dp
+
+
 def test_mesh_ranks_match_groups():
     lay = RankLayout(ParallelConfig(tp=2, cp=2, pp=2, dp_outer=2, order="tp-cp-ep-dp-pp"), 32)
     mesh = torch.tensor(lay.mesh_ranks())

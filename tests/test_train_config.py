@@ -86,7 +86,8 @@ def test_gpu_config_is_the_larger_cuda_run():
     (["model.distribute_saved_activations=true"], "needs model.recompute=true"),
     (["train.fail_at_step=3", "train.fail_rank=4"], "train.fail_rank=4 is not a rank of the world of 4"),
     (["data.source=text"], "data.source=text needs data.path to be an existing file, got None"),
-    (["parallel.tp=3"], "must equal the world size 4"),
+    (["parallel.tp=3"], "world size 4 is not divisible by tp=3"),
+    (["parallel.dp_shard=4"], "= 8 must equal the world size 4; to let FSDP take the rest, set dp_shard=-1"),
     (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be a positive integer"),
 ])
 def test_invalid_jobs_name_the_rule(overrides, message):
@@ -127,7 +128,8 @@ def test_single_node_command_is_torchrun_standalone():
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p.env["OMP_NUM_THREADS"] >= "1"
     assert p.env["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy"
     user_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "OMP_NUM_THREADS": "3", "PYTHONWARNINGS": "default"}
-    assert plan_launch(DEFAULT, [], env=user_env).env == {}  # the user's own settings win
+    # The user's own settings win; only the NumPy message is added to their warning filters.
+    assert plan_launch(DEFAULT, [], env=user_env).env == {"PYTHONWARNINGS": "default,ignore:Failed to initialize NumPy"}
 
 
 def test_multi_node_needs_an_endpoint_and_passes_rendezvous_options():

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from megashard.config import ParallelConfig, ResolvedSizes
+from megashard.config import ParallelConfig, ResolvedSizes, check_world_size
 from megashard.errors import ConfigError
 from megashard.yamlcfg import reject_unknown_keys
 
@@ -265,7 +265,18 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    from megashard.config import _fmt_divisors
+
+    return _fmt_divisors(n)
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """``host`` or ``host:port`` (port 1..65535; IPv6 hosts in brackets), as torchrun's --rdzv-endpoint reads it."""
+    host, sep, port = endpoint.strip().rpartition(":") if not endpoint.strip().endswith("]") else ("", "", "")
+    if not sep:
+        host, port = endpoint.strip(), None
+    ok = bool(host) and (port is None or (port.isdigit() and 1 <= int(port) <= 65535))
+    _need(ok, f"launch.rdzv_endpoint={endpoint!r} must be host or host:port with a port in 1..65535 (e.g. node0:29500)")
 
 
 @dataclass
@@ -358,6 +369,9 @@ class JobConfig:
         """
         self._validate_sections()
         w = self.world_size if world_size is None else world_size
+        if world_size is None:
+            check_world_size(w, f"world size launch.nnodes × launch.nproc_per_node = {self.launch.nnodes} × "
+                                f"{self.launch.nproc_per_node} =")
         s = self.parallel.resolve(w)
         m, t = self.model, self.train
         _need(s.pp == 1, f"parallel.pp={s.pp}: the example training loop has no pipeline schedule; use pp: 1")
@@ -438,6 +452,10 @@ class JobConfig:
         _need(not problems, f"{key}: checkpoint {path} is damaged: {'; '.join(problems[:3])}")
         return os.path.abspath(path)
 
+    def validate_sections(self) -> None:
+        """Every check of :meth:`validate` that needs no world size (what ``megashard plan`` checks of a job)."""
+        self._validate_sections()
+
     def _validate_sections(self) -> None:
         m, t, o, d, c, la = self.model, self.train, self.optim, self.data, self.checkpoint, self.launch
         for where, v in (("model.vocab_size", m.vocab_size), ("model.seq_len", m.seq_len), ("model.hidden", m.hidden),
@@ -502,3 +520,5 @@ class JobConfig:
         if la.node_rank is not None:
             _need(0 <= la.node_rank < la.nnodes, f"launch.node_rank={la.node_rank} must be in 0..nnodes-1={la.nnodes - 1}")
         _need(bool(la.rdzv_backend), "launch.rdzv_backend must not be empty (c10d, etcd-v2 or static)")
+        if la.rdzv_endpoint is not None:
+            _check_endpoint(la.rdzv_endpoint)

@@ -3,7 +3,8 @@
     megashard run configs/default.yaml train.steps=50 parallel.tp=1
 
 1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
-   launch.nproc_per_node`` — a bad config fails here with exit code 2, before any process starts.
+   launch.nproc_per_node``, and the job against this machine (output directories, CUDA/NCCL, memory:
+   :mod:`megashard.train.preflight`) — a bad config fails here with exit code 2, before any process starts.
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
@@ -144,9 +145,11 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
         # (pytorch/pytorch#135712). A store per attempt makes max_restarts work.
         child_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if "PYTHONWARNINGS" not in env:
-        # torch warns at import when numpy is absent; megashard does not need numpy, so keep the log clean.
-        child_env["PYTHONWARNINGS"] = "ignore:Failed to initialize NumPy"
+    # torch warns at import when numpy is absent; megashard does not need numpy, so keep the log clean (in
+    # torchrun and every worker). Appended to the user's own filters: later entries win for that message only.
+    quiet = "ignore:Failed to initialize NumPy"
+    if quiet not in env.get("PYTHONWARNINGS", ""):
+        child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
     return LaunchPlan(job, path, torchrun_command(job, path), child_env, notes)
@@ -198,7 +201,10 @@ def _exit_on_sigterm():
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
     or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
+    from megashard.train.preflight import check_job_here
+
     plan = plan_launch(config, overrides)
+    check_job_here(plan.job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
         from megashard.train.data import ensure_corpus
 

@@ -1,0 +1,213 @@
+"""Every `megashard ...` example of README.md, docs/*.md, the CLI epilogs and the configs' comments runs as written.
+
+Examples are the lines of ```bash blocks and ``$ ``-prefixed lines of other (non-Python) blocks, the
+``  megashard ...`` lines of every ``--help`` epilog and the ``#   megashard ...`` lines of configs/*.yaml.
+Cheap ones run in this process from a scratch directory holding ``configs/`` and a checkpoint made here
+(``runs/default/checkpoints``, ``out/ckpt``, ``out/checkpoints``, each with ``step_00000100``): ``plan``, ``run --dry-run``,
+``ckpt``, ``--help``. An example followed by a documented ``megashard X: error: ...`` line must fail with
+exit code 2 and that message. Training examples are not run here (test_train_launch.py trains the
+README's job, shortened; the fresh-clone check runs it whole): they are validated with ``--dry-run``.
+Examples that cannot run on this machine (CUDA, Slurm, the set-up and the test suite) are listed in SKIPPED.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT_ENV = "MEGASHARD_TEST_DOCS_CKPT"
+#: Why an example (or a part of an `a && b` line) is not run here; every skipped example must have one.
+SKIPPED = {
+    "setup": "installs ./.venv (bash tools/setup.sh): run by .ci/run and the fresh-clone check",
+    "suite": "the test suite itself: run by .ci/run",
+    "cuda": "needs CUDA GPUs (parallel.device=cuda); validated with --dry-run where CUDA is present",
+    "slurm": "needs a Slurm allocation (srun)",
+}
+
+
+@dataclasses.dataclass
+class Example:
+    where: str            # file:line or "megashard plan --help"
+    argv: list[str]       # after "megashard"
+    error: str | None     # documented error line (expected exit 2), else None (exit 0)
+
+
+def _markdown_commands(path: str) -> list[tuple[str, str, str | None]]:
+    """(where, command line, documented error line or None) of a Markdown file."""
+    out = []
+    lines = open(path, encoding="utf-8").read().splitlines()
+    lang = None
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            lang = None if lang is not None else (line[3:].strip() or "text")
+            continue
+        if lang is None or lang == "python":
+            continue
+        where = f"{os.path.relpath(path, ROOT)}:{i + 1}"
+        if line.startswith("$ "):
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            out.append((where, line[2:], nxt if re.match(r"^megashard [a-z ]+: error: ", nxt) else None))
+        elif lang == "bash" and line.strip() and not line.lstrip().startswith("#"):
+            out.append((where, line, None))
+    return out
+
+
+def _epilog_commands() -> list[tuple[str, str, None]]:
+    import argparse
+
+    from megashard.cli import build_parser
+
+    out = []
+    todo = [build_parser()]
+    while todo:
+        p = todo.pop()
+        for line in (p.epilog or "").splitlines():
+            if line.startswith("  megashard "):
+                out.append((f"{p.prog} --help", line.strip(), None))
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+    return out
+
+
+def _config_commands() -> list[tuple[str, str, None]]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+        for i, line in enumerate(open(path, encoding="utf-8")):
+            m = re.match(r"^#\s{2,}((?:srun .*)?megashard .*)$", line.rstrip())
+            if m:
+                out.append((f"configs/{os.path.basename(path)}:{i + 1}", m.group(1), None))
+    return out
+
+
+def _classify(where: str, line: str, error: str | None) -> list[tuple[Example | None, str | None]]:
+    """Each `&&` part of a line: (Example to run, None) or (None, skip reason key)."""
+    out = []
+    for part in line.split("&&"):
+        argv = shlex.split(part, comments=True)
+        if "|" in argv:  # `... | jq .groups`: the megashard part
+            argv = argv[: argv.index("|")]
+        if argv[:2] == ["bash", "tools/setup.sh"]:
+            out.append((None, "setup"))
+        elif "pytest" in argv:
+            out.append((None, "suite"))
+        elif argv and argv[0] == "srun":
+            out.append((None, "slurm"))
+        elif argv and argv[0] in ("megashard", ".venv/bin/megashard"):
+            out.append((Example(where, argv[1:], error), None))
+        elif argv[1:3] == ["-m", "megashard"]:
+            out.append((Example(where, argv[3:], error), None))
+        else:
+            raise AssertionError(f"{where}: an example that is not a megashard command: {line!r}")
+    return out
+
+
+def _all_examples() -> tuple[list[Example], list[tuple[str, str]]]:
+    lines = []
+    for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        lines += _markdown_commands(path)
+    lines += _epilog_commands() + _config_commands()
+    run, skipped = [], []
+    for where, line, error in lines:
+        for ex, reason in _classify(where, line, error):
+            if ex is None:
+                skipped.append((where, reason))
+            else:
+                run.append(ex)
+    return run, skipped
+
+
+EXAMPLES, SKIPS = _all_examples()
+
+
+def _needs_cuda(ex: Example) -> bool:
+    from megashard.train.config import JobConfig
+
+    if ex.argv[0] != "run":
+        return False
+    args = [a for a in ex.argv[1:] if not a.startswith("-")]
+    return JobConfig.from_yaml(os.path.join(ROOT, args[0]), args[1:]).parallel.device == "cuda"
+
+
+def check_save_step_100(rank, world_size):
+    import torch
+
+    import megashard
+    from megashard.checkpoint import dcp as mdcp
+    from megashard.config import ParallelConfig
+
+    megashard.initialize(ParallelConfig())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    mdcp.save(os.environ[CKPT_ENV], 100, model, opt, consumed_samples=1600)
+    megashard.destroy()
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A directory to run the examples from: configs/, and a step-100 checkpoint where the docs look."""
+    import shutil
+
+    from tests._dist import spawn_checks
+
+    d = tmp_path_factory.mktemp("examples")
+    os.symlink(os.path.join(ROOT, "configs"), d / "configs")
+    os.environ[CKPT_ENV] = str(d / "out" / "ckpt")
+    try:
+        spawn_checks([check_save_step_100], world_size=1).assert_ok("check_save_step_100")
+    finally:
+        os.environ.pop(CKPT_ENV, None)
+    for where in ("out/checkpoints", "runs/default/checkpoints"):  # the epilog's and the README's paths
+        shutil.copytree(d / "out" / "ckpt", d / where)
+    return d
+
+
+def test_examples_were_found():
+    where = {e.where.split(":")[0] for e in EXAMPLES}
+    assert {"README.md", "docs/cli.md", "docs/train.md", "docs/checkpoint_io.md", "megashard plan --help",
+            "megashard run --help", "megashard ckpt --help", "configs/default.yaml"} <= where, sorted(where)
+    readme = [e.argv for e in EXAMPLES if e.where.startswith("README.md")]
+    assert ["plan", "configs/default.yaml", "--world-size", "131072", "parallel.tp=8", "parallel.pp=4", "--rank",
+            "77777", "--ranks-per-node", "8"] in readme
+    assert ["ckpt", "inspect", "runs/default/checkpoints"] in readme
+    assert len(EXAMPLES) >= 30
+
+
+def test_skipped_examples_say_why():
+    """The examples not run here, with the reason (printed with -rA / -s)."""
+    for where, reason in SKIPS:
+        assert reason in SKIPPED, (where, reason)
+        print(f"skipped {where}: {SKIPPED[reason]}")
+    assert {r for _, r in SKIPS} <= set(SKIPPED)
+    assert ("README.md:14", "setup") in SKIPS and ("README.md:15", "suite") in SKIPS
+
+
+@pytest.mark.parametrize("ex", EXAMPLES, ids=lambda e: f"{e.where} {' '.join(e.argv)}"[:120])
+def test_example_runs_as_written(ex, scratch, monkeypatch, capsys):
+    from megashard.cli import main
+
+    argv = list(ex.argv)
+    if argv[0] == "run" and "--dry-run" not in argv and not ex.error:
+        if _needs_cuda(ex):
+            import torch
+
+            if not torch.cuda.is_available():
+                pytest.skip(SKIPPED["cuda"])
+        argv.append("--dry-run")  # a training run: validated and its torchrun command built, not trained
+    monkeypatch.chdir(scratch)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    if ex.error:
+        documented = ex.error.rstrip(".").rstrip()
+        assert code == 2 and err.startswith(documented.replace(" ...", "")), (ex.where, documented, err)
+    else:
+        assert code == 0, f"{ex.where}: megashard {' '.join(ex.argv)} exited {code}\n{err[-3000:]}"
+        assert out or err
