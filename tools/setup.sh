@@ -13,7 +13,8 @@
 #   1. a torch wheel pip finds on local disk (pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels), no download;
 #   2. else the PyTorch CPU index (~200 MB), tried with a short timeout;
 #   3. else PyPI, whose Linux x86_64 torch is the CUDA build (~4.7 GB with its nvidia-* packages).
-# Then megashard itself (editable) with the `dev` (pytest) and `plot` (matplotlib: loss.png) extras.
+# Then megashard itself (editable) with the `dev` (pytest), `plot` (matplotlib: loss.png) and `data`
+# (tokenizers: BPE tokenizers for `megashard data prepare`) extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,7 +43,7 @@ pip_() { "$VPY" -m pip -q --disable-pip-version-check "$@"; }
 ready() {
   env -u PYTHONPATH "$VPY" - "$PWD" <<'EOF' >/dev/null 2>&1
 import os, sys
-import torch, yaml, pytest, matplotlib, megashard
+import torch, yaml, pytest, matplotlib, tokenizers, megashard
 assert (2, 11) <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
 assert os.path.dirname(os.path.dirname(os.path.abspath(megashard.__file__))) == sys.argv[1]  # this checkout
 EOF
@@ -64,8 +65,8 @@ if ! ready; then
     fi
     rm -f "$VENV/cpu-index.log"
   fi
-  # torch's own dependencies (when it came without them) and megashard with its dev and plot extras.
-  pip_ install -e ".[dev,plot]"
+  # torch's own dependencies (when it came without them) and megashard with its dev, plot and data extras.
+  pip_ install -e ".[dev,plot,data]"
   ready || { say "error: $VENV is incomplete after installing; see the pip output above"; exit 1; }
 fi
 env -u PYTHONPATH "$VPY" - <<'EOF'
