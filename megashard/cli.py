@@ -284,6 +284,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         description="Training data for `megashard run` (data.source: indexed). See docs/data.md.",
         epilog=(
             "examples:\n"
+            "  mkdir -p data                                      # the directory of --out must exist\n"
             "  megashard data prepare notes.txt web.jsonl --tokenizer byte --out data/corpus\n"
             "  megashard data prepare 'books/**/*.txt' --train-tokenizer 8000 --out data/books --workers 2\n"
             "  megashard data prepare '{stdlib}/*.py' --out data/stdlib     # the Python standard library\n"

@@ -189,7 +189,7 @@ def test_cli_reports_damage_in_one_line(good, capsys):
     _truncate(good + ".bin", 4)
     assert cli.main(["data", "inspect", good]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("megashard data: error: ") and "good.bin: truncated" in err
+    assert err.count("\n") == 0 and err.startswith("megashard data inspect: error: ") and "good.bin: truncated" in err
 
 
 # ---------------------------------------------------------------------------------------------- flat files

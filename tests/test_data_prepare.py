@@ -121,7 +121,7 @@ def test_bad_input_is_one_line_exit_2(inputs, tmp_path, capsys, args, message):
     tmp = str(tmp_path)
     assert _prepare(*[a.replace("{tmp}", tmp) for a in args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("megashard data: error: "), err
+    assert err.count("\n") == 0 and err.startswith("megashard data prepare: error: "), err
     assert re.search(message.replace("{tmp}", re.escape(tmp)), err), err
     assert os.listdir(tmp_path / "out") == []  # nothing written, nothing left behind
 

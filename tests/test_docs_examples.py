@@ -1,10 +1,12 @@
 """Every `megashard ...` example of README.md, docs/*.md, the CLI epilogs and the configs' comments runs as written.
 
 Examples are the lines of ```bash blocks and ``$ ``-prefixed lines of other (non-Python) blocks, the
-``  megashard ...`` lines of every ``--help`` epilog and the ``#   megashard ...`` lines of configs/*.yaml.
-Cheap ones run in this process from a scratch directory holding ``configs/`` and a checkpoint made here
-(``runs/default/checkpoints``, ``out/ckpt``, ``out/checkpoints``, each with ``step_00000100``): ``plan``, ``run --dry-run``,
-``ckpt``, ``--help``. An example followed by a documented ``megashard X: error: ...`` line must fail with
+``  megashard ...`` (and ``  mkdir -p ...``) lines of every ``--help`` epilog and the ``#   megashard ...`` lines
+of configs/*.yaml (``mkdir -p DIR && megashard ...`` too). Cheap ones run in this process from a scratch directory
+holding ``configs/``, ``README.md``, ``docs/``, a checkpoint made here (``runs/default/checkpoints``, ``out/ckpt``,
+``out/checkpoints``, each with ``step_00000100``), the user's inputs the data examples name (``notes.txt``,
+``web.jsonl``, ``books/**/*.txt``) and a corpus prepared from them (``data/corpus``): ``plan``, ``run --dry-run``,
+``ckpt``, ``data``, ``--help``. An example followed by a documented ``megashard X: error: ...`` line must fail with
 exit code 2 and that message. Training examples are not run here (test_train_launch.py trains the
 README's job, shortened; the fresh-clone check runs it whole): they are validated with ``--dry-run``.
 Examples that cannot run on this machine (CUDA, Slurm, the set-up and the test suite) are listed in SKIPPED.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import shlex
@@ -27,6 +30,7 @@ SKIPPED = {
     "suite": "the test suite itself: run by .ci/run",
     "cuda": "needs CUDA GPUs (parallel.device=cuda); validated with --dry-run where CUDA is present",
     "slurm": "needs a Slurm allocation (srun)",
+    "tokenizers": "needs the optional Hugging Face tokenizers package (pip install 'megashard[data]')",
 }
 
 
@@ -67,7 +71,7 @@ def _epilog_commands() -> list[tuple[str, str, None]]:
     while todo:
         p = todo.pop()
         for line in (p.epilog or "").splitlines():
-            if line.startswith("  megashard "):
+            if line.startswith(("  megashard ", "  mkdir -p ")):
                 out.append((f"{p.prog} --help", line.strip(), None))
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -79,7 +83,7 @@ def _config_commands() -> list[tuple[str, str, None]]:
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
         for i, line in enumerate(open(path, encoding="utf-8")):
-            m = re.match(r"^#\s{2,}((?:srun .*)?megashard .*)$", line.rstrip())
+            m = re.match(r"^#\s{2,}((?:srun .*|mkdir -p \S+ && )?megashard .*)$", line.rstrip())
             if m:
                 out.append((f"configs/{os.path.basename(path)}:{i + 1}", m.group(1), None))
     return out
@@ -98,6 +102,8 @@ def _classify(where: str, line: str, error: str | None) -> list[tuple[Example | 
             out.append((None, "suite"))
         elif argv and argv[0] == "srun":
             out.append((None, "slurm"))
+        elif argv and argv[0] == "mkdir":  # a directory an example writes into: made in the scratch directory
+            out.append((Example(where, argv, error), None))
         elif argv and argv[0] in ("megashard", ".venv/bin/megashard"):
             out.append((Example(where, argv[1:], error), None))
         elif argv[1:3] == ["-m", "megashard"]:
@@ -134,6 +140,26 @@ def _needs_cuda(ex: Example) -> bool:
     return JobConfig.from_yaml(os.path.join(ROOT, args[0]), args[1:]).parallel.device == "cuda"
 
 
+#: The user's own files the data examples name (docs/data.md, `megashard data --help`): a little text each.
+_TEXT = ("Megatron-LM lays out tensor, pipeline and data parallel ranks in a fixed order. "
+         "A memory-mapped dataset is read sample by sample; nothing is loaded whole.\n")
+INPUTS = {
+    "notes.txt": _TEXT * 20,
+    "web.jsonl": "".join(json.dumps({"text": f"page {i}: {_TEXT}"}) + "\n" for i in range(20)),
+    "books/fiction/a.txt": _TEXT * 10,
+    "books/fiction/old/b.txt": _TEXT.upper() * 10,
+    "books/poetry/c.txt": _TEXT[::-1] * 10,
+}
+
+
+def _needs_tokenizers(ex: Example) -> bool:
+    if ex.argv[:2] != ["data", "prepare"] or ex.error:
+        return False
+    if "--train-tokenizer" in ex.argv:
+        return True
+    return "--tokenizer" in ex.argv and ex.argv[ex.argv.index("--tokenizer") + 1] != "byte"
+
+
 def check_save_step_100(rank, world_size):
     import torch
 
@@ -153,13 +179,16 @@ def check_save_step_100(rank, world_size):
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A directory to run the examples from: configs/, and a step-100 checkpoint where the docs look."""
+    """A directory to run the examples from: configs/, README.md, docs/, a step-100 checkpoint where the docs look,
+    the input files the data examples name and the corpus ``data/corpus`` the run examples train on."""
     import shutil
 
+    from megashard.data.prepare import prepare
     from tests._dist import spawn_checks
 
     d = tmp_path_factory.mktemp("examples")
-    os.symlink(os.path.join(ROOT, "configs"), d / "configs")
+    for name in ("configs", "README.md", "docs"):  # what the examples read (data prepare tokenizes README.md docs/)
+        os.symlink(os.path.join(ROOT, name), d / name)
     os.environ[CKPT_ENV] = str(d / "out" / "ckpt")
     try:
         spawn_checks([check_save_step_100], world_size=1).assert_ok("check_save_step_100")
@@ -167,13 +196,19 @@ def scratch(tmp_path_factory):
         os.environ.pop(CKPT_ENV, None)
     for where in ("out/checkpoints", "runs/default/checkpoints"):  # the epilog's and the README's paths
         shutil.copytree(d / "out" / "ckpt", d / where)
+    for name, text in INPUTS.items():
+        os.makedirs((d / name).parent, exist_ok=True)
+        (d / name).write_text(text, encoding="utf-8")
+    os.makedirs(d / "data")
+    prepare([str(d / "notes.txt"), str(d / "web.jsonl")], str(d / "data" / "corpus"), progress=False)
     return d
 
 
 def test_examples_were_found():
     where = {e.where.split(":")[0] for e in EXAMPLES}
     assert {"README.md", "docs/cli.md", "docs/train.md", "docs/checkpoint_io.md", "megashard plan --help",
-            "megashard run --help", "megashard ckpt --help", "configs/default.yaml"} <= where, sorted(where)
+            "megashard run --help", "megashard ckpt --help", "configs/default.yaml", "docs/data.md",
+            "megashard data --help", "configs/text.yaml"} <= where, sorted(where)
     readme = [e.argv for e in EXAMPLES if e.where.startswith("README.md")]
     assert ["plan", "configs/default.yaml", "--world-size", "131072", "parallel.tp=8", "parallel.pp=4", "--rank",
             "77777", "--ranks-per-node", "8"] in readme
@@ -195,6 +230,11 @@ def test_example_runs_as_written(ex, scratch, monkeypatch, capsys):
     from megashard.cli import main
 
     argv = list(ex.argv)
+    if argv[0] == "mkdir":
+        for path in argv[1:]:
+            if not path.startswith("-"):
+                os.makedirs(scratch / path, exist_ok=True)
+        return
     if argv[0] == "run" and "--dry-run" not in argv and not ex.error:
         if _needs_cuda(ex):
             import torch
@@ -202,6 +242,11 @@ def test_example_runs_as_written(ex, scratch, monkeypatch, capsys):
             if not torch.cuda.is_available():
                 pytest.skip(SKIPPED["cuda"])
         argv.append("--dry-run")  # a training run: validated and its torchrun command built, not trained
+    if _needs_tokenizers(ex):
+        import importlib.util
+
+        if importlib.util.find_spec("tokenizers") is None:
+            pytest.skip(SKIPPED["tokenizers"])
     monkeypatch.chdir(scratch)
     code = main(argv)
     out, err = capsys.readouterr()
