@@ -9,7 +9,9 @@
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
 3. The checkpoint directory must not be held by another live job (:mod:`megashard.train.ckptlock`): on a
-   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does.
+   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Then a corpus
+   the config can prepare (``data.prepare_inputs``) and that is missing is tokenized, once
+   (:func:`megashard.train.data.ensure_corpus`), and checked against the model.
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
    ``sys.executable -m megashard.train.agent ... -m megashard.train.worker <out_dir>/config.yaml``
    (:mod:`megashard.train.agent` is ``torch.distributed.run`` with short output that dies with this
@@ -27,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from megashard.config import ResolvedSizes
 from megashard.errors import ConfigError
 from megashard.train.config import JobConfig
 
@@ -80,6 +83,8 @@ class LaunchPlan:
     """Everything :func:`run` needs: the validated job, the torchrun command and its environment additions."""
 
     job: JobConfig
+    sizes: ResolvedSizes
+    """The job's parallel sizes for its world size (from the one :meth:`JobConfig.validate` of the launcher)."""
     config_path: str
     command: list[str]
     env: dict[str, str]
@@ -132,7 +137,7 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         if job.launch.nnodes > 1 and "SLURM_STEP_ID" not in env:
             notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "
                          "`srun --ntasks-per-node=1 megashard run ...`")
-    job.validate()
+    sizes = job.validate()
     if job.launch.nnodes > 1 and not job.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes={job.launch.nnodes} needs launch.rdzv_endpoint=<host:port> of a node every node can reach "
@@ -152,7 +157,7 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
-    return LaunchPlan(job, path, torchrun_command(job, path), child_env, notes)
+    return LaunchPlan(job, sizes, path, torchrun_command(job, path), child_env, notes)
 
 
 def _write_config(job: JobConfig, path: str) -> None:
@@ -204,17 +209,16 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     from megashard.train.preflight import check_job_here
 
     plan = plan_launch(config, overrides)
-    check_job_here(plan.job)  # this machine: output paths, devices, memory (before anything is written or started)
-    if not dry_run:
-        from megashard.train.data import ensure_corpus
-
-        ensure_corpus(plan.job)  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
-    job, s = plan.job, plan.job.validate()
+    job, s = plan.job, plan.sizes
+    check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
         from megashard.train.ckptlock import check_free
+        from megashard.train.data import check_corpus, ensure_corpus
 
         # Refuse before anything is printed or written (one line); the lock is taken below.
         check_free(job.checkpoint_dir, lock_id(job))
+        if ensure_corpus(job):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
+            check_corpus(job, s.tp)  # validate() let the corpus be missing: check the one just prepared
     keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
     print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
