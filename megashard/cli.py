@@ -3,12 +3,15 @@
     megashard plan CONFIG [--world-size N] [--rank R] [--ranks-per-node G] [--format table|json]
                           [--groups tp,dp] [--svg FILE] [key=value ...]
     megashard run CONFIG [key=value ...] [--dry-run]      # train the example job through torchrun (docs/train.md)
+    megashard ckpt inspect|consolidate ...                # checkpoints offline (docs/checkpoint_io.md)
+    megashard data prepare|inspect ...                    # tokenized training data (docs/data.md)
 
 Each subcommand lives in a ``_add_<name>(subparsers)`` function that builds its parser and sets
-``handler`` (a function ``args -> exit code``). Exit codes: 0 success, 1 the command ran but found a
-problem (e.g. ``plan --strict`` with locality warnings, an unwritable output file), 2 bad usage or an
-invalid config: one stderr line ``megashard <cmd>: error: ...`` (argparse's usage errors too), no traceback,
-no process started.
+``handler`` (a function ``args -> exit code``); a command with actions gets its parser from
+:func:`_add_actions`. Exit codes: 0 success, 1 the command ran but found a problem (e.g. ``plan --strict``
+with locality warnings, an unwritable output file, a damaged checkpoint), 2 bad usage or an invalid config:
+one stderr line ``megashard <cmd>[ <action>]: error: ...`` (argparse's usage errors too), no traceback, no
+process started.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import json
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from megashard.errors import ConfigError, MegashardError
+from megashard.errors import ConfigError, MegashardError, error_line
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -200,11 +203,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(args.config, args.overrides, dry_run=args.dry_run)
 
 
+# ---------------------------------------------------------------------------------------------- ckpt, data
+def _add_actions(sub: argparse._SubParsersAction, name: str, help: str, description: str,
+                 epilog: str) -> argparse._SubParsersAction:
+    """A command ``megashard NAME ACTION ...`` (without an ACTION it prints its help and exits 2); returns the
+    subparsers to add its actions to (each with its own ``handler`` and ``parser``)."""
+    p = sub.add_parser(name, help=help, description=description, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
+    return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+
+
 # ---------------------------------------------------------------------------------------------- ckpt
 # `megashard ckpt ...` — inspect / convert checkpoints between layouts (owner: the checkpoint/ developer).
 def _add_ckpt(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "ckpt",
+    cmds = _add_actions(
+        sub, "ckpt",
         help="inspect a checkpoint, or consolidate it into one torch.save file (one process, any layout)",
         description="Offline tools for checkpoints saved by megashard.checkpoint.save. See docs/checkpoint_io.md.",
         epilog=(
@@ -214,10 +228,7 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
             "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
             "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
-    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
     i = cmds.add_parser(
         "inspect", help="layout it was saved with, keys, shapes, dtypes, sizes, writers; verifies every file",
         description="Describe a checkpoint without loading its tensors (DIR: a checkpoint or a root of step_N "
@@ -268,7 +279,7 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
     try:
         summary = consolidate(args.dir, args.out, verify=not args.no_verify, progress=not args.quiet, keys=keys)
     except CheckpointCorruptedError as e:
-        print(f"megashard ckpt consolidate: error: {e}", file=sys.stderr)
+        print(error_line(args.parser.prog, e), file=sys.stderr)
         return 1
     print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB) from {summary['path']}", file=sys.stderr)
@@ -278,8 +289,8 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- data
 # `megashard data prepare|inspect` — tokenized, memory-mapped training data (docs/data.md).
 def _add_data(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "data",
+    cmds = _add_actions(
+        sub, "data",
         help="tokenize text / JSON lines into a memory-mapped indexed dataset; inspect one",
         description="Training data for `megashard run` (data.source: indexed). See docs/data.md.",
         epilog=(
@@ -291,10 +302,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
             "  megashard data inspect data/corpus --verify\n"
             "\nexit codes: 0 ok, 2 bad input (missing file, unknown tokenizer, corrupt dataset) or usage"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
-    cmds = p.add_subparsers(dest="data_command", metavar="ACTION")
     pr = cmds.add_parser(
         "prepare", help="text / JSON-lines files -> PREFIX.bin + PREFIX.idx (+ tokenizer, metadata)",
         description="Tokenize INPUT files into Megatron-LM's indexed dataset format. A text file is one document; "
@@ -411,7 +419,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except MegashardError as e:
-        # One line, whatever the message holds (a file name with a newline, a nested error's text).
-        text = " ".join(str(e).split("\n"))
-        print(f"{getattr(args, 'parser', parser).prog}: error: {text}", file=sys.stderr)
+        print(error_line(getattr(args, "parser", parser).prog, e), file=sys.stderr)
         return 2

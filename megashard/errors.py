@@ -1,4 +1,11 @@
-"""Exceptions raised by megashard for user-facing problems."""
+"""Exceptions raised by megashard for user-facing problems, and the one line a command prints for them."""
+
+
+def error_line(prefix: str, error: BaseException) -> str:
+    """``"<prefix>: error: <message>"`` on one line whatever the message holds (a file name with a newline, a
+    nested error's text): how ``megashard <cmd>`` and the job's workers report a :class:`MegashardError`."""
+    text = " ".join(str(error).split("\n"))
+    return f"{prefix}: error: {text}"
 
 
 class MegashardError(Exception):

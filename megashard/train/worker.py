@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megashard.train.lifeline import die_with_parent, env_pid
 
     die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # before the slow imports
-    from megashard.errors import MegashardError, RankMismatchError
+    from megashard.errors import MegashardError, RankMismatchError, error_line
     from megashard.train.agent import EXIT_PEER_LOST, is_peer_loss
     from megashard.train.config import JobConfig
     from megashard.train.loop import train
@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not isinstance(e, MegashardError):
             raise
         if _prints(e, RankMismatchError):
-            print(f"megashard run: error: {e}", file=sys.stderr)
+            print(error_line("megashard run", e), file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():
