@@ -273,7 +273,7 @@ def test_learning_rate_schedule():
 
 
 def test_progress_bar_text():
-    from megashard.train.progress import ProgressBar, format_duration, format_rate
+    from megashard.progress import ProgressBar, format_duration, format_rate
 
     assert format_duration(3725.2) == "1:02:05" and format_duration(65) == "1:05"
     assert format_rate(12345.0) == "12.3k" and format_rate(999) == "999" and format_rate(2.5e6) == "2.5M"
@@ -283,7 +283,7 @@ def test_progress_bar_text():
 
 
 def test_progress_lines_when_not_a_terminal():
-    from megashard.train.progress import ProgressBar
+    from megashard.progress import ProgressBar
 
     out = io.StringIO()
     bar = ProgressBar(25, 5, stream=out, log_interval=10)

@@ -16,10 +16,8 @@ The consolidated file holds ``{"model": {fqn: tensor}, "optim": {"state": ..., "
 from __future__ import annotations
 
 import os
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -29,10 +27,10 @@ from megashard._compat import dcp_empty_state_dict_load_planner_class, dcp_load_
 from megashard.checkpoint import safety
 from megashard.checkpoint.dcp import DCP_METADATA, SafeFileSystemReader, _unwrap, _WeightsOnlyBytes, load_dcp_metadata
 from megashard.errors import CheckpointError
+from megashard.progress import Progress
 
 __all__ = [
     "CheckpointInfo",
-    "Progress",
     "TensorInfo",
     "consolidate",
     "format_info",
@@ -40,55 +38,6 @@ __all__ = [
     "inspect_checkpoint",
     "load_full_state_dict",
 ]
-
-
-# ---------------------------------------------------------------------------------------------- progress
-class Progress:
-    """A plain-text progress bar on stderr (no dependency): ``label [#####-----]  50%  12.0/24.0 MB  1.2 s``.
-
-    On a terminal it redraws one line (at most 10 times a second); otherwise it prints a line per 10 %.
-    ``enabled=False`` prints nothing.
-    """
-
-    def __init__(self, total: int, label: str, *, stream: Optional[TextIO] = None, enabled: bool = True) -> None:
-        self.total, self.label, self.done = max(int(total), 0), label, 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = self._last = time.perf_counter()
-        self._decile = -1
-
-    def _line(self) -> str:
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(frac * 24)
-        return (f"{self.label} [{bar:<24}] {frac * 100:5.1f}%  {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB  "
-                f"{time.perf_counter() - self.t0:.1f} s")
-
-    def update(self, n: int) -> None:
-        self.done = min(self.done + int(n), self.total) if self.total else self.done + int(n)
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if self.tty:
-            if now - self._last >= 0.1:
-                self.stream.write("\r" + self._line())
-                self.stream.flush()
-                self._last = now
-        else:
-            decile = int(10 * self.done / self.total) if self.total else 10
-            if decile > self._decile:
-                self._decile = decile
-                self.stream.write(self._line() + "\n")
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.done = self.total
-        if self.tty:
-            self.stream.write("\r" + self._line() + "\n")
-        elif self._decile < 10:
-            self.stream.write(self._line() + "\n")
-        self.stream.flush()
 
 
 # ---------------------------------------------------------------------------------------------- inspect

@@ -39,6 +39,7 @@ from megashard.data.indexed import IndexedDatasetBuilder
 from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
 from megashard.errors import DataError
+from megashard.progress import Progress
 
 __all__ = ["prepare", "PrepareResult", "expand_inputs", "iter_documents"]
 
@@ -236,14 +237,6 @@ def _run_task(args: tuple[_Task, str, str, str]) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _remove_prefix_files(prefix: str) -> None:
     for ext in (".bin", ".idx"):
         if os.path.exists(prefix + ext):
@@ -293,11 +286,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         dtype = dtype_name(dtype_for_vocab(tok.vocab_size))
         tasks = _tasks(files, tmp_prefix)
         total = sum(t.end - t.start for t in tasks)
-        bar = _NoProgress()
-        if progress:  # imported only when drawn: megashard.checkpoint pulls in torch.distributed.tensor (~2 s)
-            from megashard.checkpoint.consolidate import Progress
-
-            bar = Progress(total, "megashard data prepare")
+        bar = Progress(total, "megashard data prepare", enabled=progress)
         args = [(t, spec, text_key, dtype) for t in tasks]
         n = min(workers, len(tasks))
         if n > 1:

@@ -177,7 +177,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
     from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
-    from megashard.train.progress import ProgressBar
+    from megashard.progress import ProgressBar
 
     ms.init_distributed(job.parallel)
     # Every rank must run the same job: checked in the first collective, before any other group exists.
@@ -248,8 +248,9 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state)
                 if rank == 0:
-                    print(f"{chr(10) if bar.tty and bar.enabled else ''}megashard run: step {done}: validation loss "
-                          f"{record['valid_loss']:.4f}", file=sys.stderr, flush=True)
+                    bar.finish()  # a line of its own below the bar (which goes on on the next line)
+                    print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,
+                          flush=True)
             if writer is not None:
                 writer.write(record)
             bar.update(done, gloss, tokens_per_step * (done - start) / (time.perf_counter() - t_start))
