@@ -113,7 +113,23 @@ def _check_range(name: str, start: int, count: int, total: int) -> None:
         raise DataError(f"{name}: tokens [{start}, {start + count}) are outside the stream of {total} tokens")
 
 
-class FlatTokens:
+class TensorTokens:
+    """A 1-D tensor of tokens, read like a file: in memory (the baseline of the benchmark, tests), or a file's
+    mapping (:class:`FlatTokens`)."""
+
+    def __init__(self, tokens: torch.Tensor, name: str = "<tensor>") -> None:
+        self.name, self._tokens = name, tokens.reshape(-1)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens.numel()
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        _check_range(self.name, start, count, self.num_tokens)
+        return self._tokens[start: start + count].to(torch.int64)
+
+
+class FlatTokens(TensorTokens):
     """A raw file of tokens of one dtype (no header, no document boundaries), memory-mapped.
 
     Args:
@@ -126,36 +142,13 @@ class FlatTokens:
             if dtype not in DTYPES:
                 raise DataError(f"token dtype {dtype!r} is not supported; valid: {', '.join(DTYPES)}")
             dtype = DTYPES[dtype]
-        self.name, self.dtype = path, dtype
+        self.dtype = dtype
         self._file = MappedFile(path)
         item = torch.empty((), dtype=dtype).element_size()
         if self._file.size % item:
             raise DataError(f"{path}: {self._file.size} bytes is not a whole number of {dtype_name(dtype)} tokens "
                             f"({item} bytes each): truncated, or another token dtype")
-        self._tokens = self._file.view(dtype)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._tokens.numel()
-
-    def read(self, start: int, count: int) -> torch.Tensor:
-        _check_range(self.name, start, count, self.num_tokens)
-        return self._tokens[start: start + count].to(torch.int64)
+        super().__init__(self._file.view(dtype), path)
 
     def __repr__(self) -> str:
         return f"FlatTokens({self.name!r}, {self.num_tokens} × {dtype_name(self.dtype)})"
-
-
-class TensorTokens:
-    """A 1-D tensor of tokens in memory, read like a file (the in-memory baseline of the benchmark)."""
-
-    def __init__(self, tokens: torch.Tensor, name: str = "<tensor>") -> None:
-        self.name, self._tokens = name, tokens.reshape(-1)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._tokens.numel()
-
-    def read(self, start: int, count: int) -> torch.Tensor:
-        _check_range(self.name, start, count, self.num_tokens)
-        return self._tokens[start: start + count].to(torch.int64)
