@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from megashard.chunks import contiguous_strides
 from megashard.errors import ConfigError
 
 __all__ = ["GlobalMemoryBuffer", "get_global_memory_buffer"]
@@ -41,14 +42,6 @@ def _checked_shape(tensor_shape: object, name: str) -> tuple[int, ...]:
     if min(shape, default=0) < 0:
         raise ConfigError(f"get_tensor({name!r}): tensor_shape must be non-negative ints, got {tensor_shape!r}")
     return shape
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 class GlobalMemoryBuffer:
@@ -85,7 +78,7 @@ class GlobalMemoryBuffer:
         info = self._shapes.get(shape)
         if info is None:  # first request of this shape: validate once, remember numel and strides
             shape = _checked_shape(shape, name)
-            info = (shape, math.prod(shape), _contiguous_strides(shape))
+            info = (shape, math.prod(shape), contiguous_strides(shape))
             if len(self._shapes) >= 4096:
                 self._shapes.clear()  # bound the memo for callers with ever-changing shapes
             self._shapes[shape] = info

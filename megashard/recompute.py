@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megashard._compat import autograd_checkpoint_valid
+from megashard.chunks import chunk_bounds, chunk_size
 from megashard.errors import StateError
 from megashard.random import _get_cuda_rng_state, _set_cuda_rng_state, get_cuda_rng_tracker
 
@@ -45,8 +46,8 @@ def _split_1d(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.detach().reshape(-1)
-    chunk = -(-flat.numel() // size)
-    start, stop = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
+    chunk = chunk_size(flat.numel(), size)
+    start, stop = chunk_bounds(flat.numel(), size, rank)
     out = torch.zeros(chunk, dtype=tensor.dtype, device=tensor.device)
     out[: stop - start].copy_(flat[start:stop])
     return out

@@ -188,7 +188,7 @@ def check_gather_rounds_1d(rank, world_size):
         assert torch.equal(_gather(dt), g)
     assert c.n == {**c.n, "all_gather": 0, "broadcast": W + 1}, c.n
     # a tensor too big to send eagerly takes the general path: metadata all-gather, then data
-    import megashard.tensors.uneven as U
+    import megashard.tensors.uneven.gather as U
 
     cap, U._EAGER_CAP = U._EAGER_CAP, 1 << 16  # 64 KiB instead of 4 MiB keeps the test small
     try:
@@ -544,7 +544,8 @@ def test_filter_and_get_nested_state_dict():
 
 
 def test_slice_helpers_and_chunk_sizes():
-    from megashard.tensors.uneven import _chunk_sizes, _intersection, _offset_slice
+    from megashard.chunks import chunk_sizes
+    from megashard.tensors.uneven import _intersection, _offset_slice
 
     assert _intersection(slice(0, 5), slice(3, 8)) == slice(3, 5)
     assert _intersection(slice(0, 2), slice(4, 8)) == slice(4, 4)
@@ -552,7 +553,7 @@ def test_slice_helpers_and_chunk_sizes():
     for n in range(0, 20):
         for k in (1, 2, 3, 4, 7):
             ref = [c.shape[0] for c in torch.arange(n).chunk(k)]
-            assert list(_chunk_sizes(n, k)) == ref + [0] * (k - len(ref))
+            assert list(chunk_sizes(n, k)) == ref + [0] * (k - len(ref))
 
 
 class _StubDTensor:
@@ -569,13 +570,13 @@ def _simulate_exchange(gshape, mesh_shape, placements, orders, parts_fn):
     """Run the per-axis exchange of every rank of a virtual mesh in one process (no communication)."""
     import itertools
 
-    from megashard.tensors.uneven import _Work
+    from megashard.tensors.uneven.metadata import ExtentTables
 
     truth, works = {}, {}
     for c in itertools.product(*[range(n) for n in mesh_shape]):
         start, size = _truth_box(gshape, mesh_shape, c, orders, parts_fn)
         truth[c] = (start, size)
-        works[c] = _Work("k", _StubDTensor(gshape, placements, size), mesh_shape)
+        works[c] = ExtentTables("k", _StubDTensor(gshape, placements, size), mesh_shape)
     for axis, n in enumerate(mesh_shape):
         payloads = {c: w.payload() for c, w in works.items()}  # all sent before anyone absorbs
         for c, w in works.items():

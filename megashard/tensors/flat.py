@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megashard.chunks import chunk_bounds
 from megashard.errors import ShardingError, StateError
 
 __all__ = ["ShardingSpec", "ShardedFlatTensor", "ShardedFlatParameter"]
@@ -122,11 +123,7 @@ class ShardingSpec:
         if world_size < 1:
             raise ShardingError(f"world_size {world_size} must be >= 1")
         numel = math.prod(int(s) for s in unsharded_shape)
-        chunk = -(-numel // world_size)
-        return cls(
-            tuple(unsharded_shape),
-            tuple(((min(r * chunk, numel), min((r + 1) * chunk, numel)),) for r in range(world_size)),
-        )
+        return cls(tuple(unsharded_shape), tuple((chunk_bounds(numel, world_size, r),) for r in range(world_size)))
 
 
 class _GatherFlat(torch.autograd.Function):

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from megashard._compat import _StridedShard
 from megashard.errors import ShardingError
-from megashard.tensors.shape import _explicit_order_placements, _select, _chunk_bounds, global_index_runs_at
+from megashard.tensors.shape import explicit_order_placements, global_index_runs_at, ordered_index_runs_at
 from megashard.tensors.tp_attrs import (
     get_mcore_tensor_parallel_partition_dim,
     get_tensor_model_parallel_partition_stride,
@@ -82,29 +82,9 @@ def param_mesh_axes(mesh: NamedMesh, *, pp_axis: str = "pp") -> tuple[str, ...]:
     return tuple(a for a in _axes(mesh)[0] if a != pp_axis)
 
 
-def ordered_index_runs_at(
-    global_shape: Sequence[int],
-    mesh_shape: Sequence[int],
-    ordered: Sequence[tuple[int, Placement]],
-    coordinate: Sequence[int],
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Global index runs per dim when plain shards are applied in the explicit ``ordered`` sequence.
-
-    ``ordered`` is :func:`~megashard.tensors.shape._explicit_order_placements` output: this is the layout
-    the placements *mean* (e.g. TP split first, then FSDP chunks the local shard).
-    """
-    runs: list[list[tuple[int, int]]] = [[(0, int(s))] if int(s) > 0 else [] for s in global_shape]
-    for axis, p in ordered:
-        if isinstance(p, Shard) and not isinstance(p, _StridedShard):
-            length = sum(b - a for a, b in runs[p.dim])
-            lo, hi = _chunk_bounds(length, int(mesh_shape[axis]), int(coordinate[axis]))
-            runs[p.dim] = _select(runs[p.dim], lo, hi)
-    return tuple(tuple(r) for r in runs)
-
-
 def _check_representable(size: int, mesh_shape: Sequence[int], placements: Sequence[Placement], what: str) -> None:
     """Compare, for one dim of ``size`` elements, the layout FSDP makes with the one DTensor reads."""
-    ordered = _explicit_order_placements(mesh_shape, placements)
+    ordered = explicit_order_placements(mesh_shape, placements)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         want = ordered_index_runs_at([size], mesh_shape, ordered, coord)[0]
         got = global_index_runs_at([size], mesh_shape, placements, coord)[0]

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from megashard._compat import _StridedShard
+from megashard.chunks import chunk_bounds
 from megashard.errors import ShardingError, StateError
 
 __all__ = [
@@ -49,6 +50,8 @@ __all__ = [
     "global_index_runs_at",
     "compute_global_index_runs",
     "mesh_coordinate_of",
+    "explicit_order_placements",
+    "ordered_index_runs_at",
     "_explicit_order_placements",
 ]
 
@@ -83,27 +86,21 @@ def _select(runs: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int
     return out
 
 
-def _chunk_bounds(length: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``index`` when ``torch.chunk`` splits ``length`` into ``num_chunks``."""
-    size = -(-length // num_chunks)  # ceil; empty trailing chunks when it overshoots
-    return min(size * index, length), min(size * (index + 1), length)
-
-
 def _shard_runs(runs: list[tuple[int, int]], placement: Placement, axis_size: int, index: int) -> list[tuple[int, int]]:
     length = _runs_len(runs)
     if isinstance(placement, _StridedShard):
         sf = int(placement.split_factor)
         out: list[tuple[int, int]] = []
         for piece in range(sf):
-            p_lo, p_hi = _chunk_bounds(length, sf, piece)
-            c_lo, c_hi = _chunk_bounds(p_hi - p_lo, axis_size, index)
+            p_lo, p_hi = chunk_bounds(length, sf, piece)
+            c_lo, c_hi = chunk_bounds(p_hi - p_lo, axis_size, index)
             for run in _select(runs, p_lo + c_lo, p_lo + c_hi):
                 if out and out[-1][1] == run[0]:
                     out[-1] = (out[-1][0], run[1])
                 else:
                     out.append(run)
         return out
-    lo, hi = _chunk_bounds(length, axis_size, index)
+    lo, hi = chunk_bounds(length, axis_size, index)
     return _select(runs, lo, hi)
 
 
@@ -286,7 +283,7 @@ def compute_global_index_runs(
     return global_index_runs_at(global_shape, _mesh_shape(mesh), placements, coord)
 
 
-def _explicit_order_placements(
+def explicit_order_placements(
     mesh_shape: Sequence[int], placements: Sequence[Placement]
 ) -> Sequence[tuple[int, Placement]]:
     """Rewrite ``_StridedShard`` placements as plain shards applied in an explicit order.
@@ -343,3 +340,26 @@ def _explicit_order_placements(
             "later mesh axis, so they cannot be rewritten as ordered Shards"
         )
     return ordered
+
+
+_explicit_order_placements = explicit_order_placements  # PyTorch's (private) name for the same rewrite
+
+
+def ordered_index_runs_at(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    ordered: Sequence[tuple[int, Placement]],
+    coordinate: Sequence[int],
+) -> tuple[Runs, ...]:
+    """Global index runs per dim when plain shards are applied in the explicit ``ordered`` sequence.
+
+    ``ordered`` is :func:`explicit_order_placements` output: this is the layout the placements *mean*
+    (e.g. TP split first, then FSDP chunks the local shard), where :func:`global_index_runs_at` gives
+    what DTensor reads from them.
+    """
+    runs: list[list[tuple[int, int]]] = [[(0, int(s))] if int(s) > 0 else [] for s in global_shape]
+    for axis, p in ordered:
+        if isinstance(p, Shard) and not isinstance(p, _StridedShard):
+            lo, hi = chunk_bounds(_runs_len(runs[p.dim]), int(mesh_shape[axis]), int(coordinate[axis]))
+            runs[p.dim] = _select(runs[p.dim], lo, hi)
+    return tuple(tuple(r) for r in runs)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from megashard._compat import _StridedShard
+from megashard.chunks import contiguous_strides
 from megashard.tensors.placements import resolve_placements
 
 __all__ = ["parallelize", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
@@ -70,14 +71,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def param_layout(p: torch.Tensor, state: Any) -> tuple[Any, tuple[Placement, ...], tuple[int, ...]]:
     """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
 
@@ -104,7 +97,7 @@ def global_dtensor(local: torch.Tensor, p: torch.Tensor, state: Any) -> DTensor:
     """Wrap ``local`` (this rank's FSDP shard of ``p``'s TP slice, or a tensor shaped like it) as the global DTensor."""
     mesh, placements, shape = param_layout(p, state)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+                              stride=contiguous_strides(shape))
 
 
 def iter_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
