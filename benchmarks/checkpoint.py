@@ -4,7 +4,7 @@ Section ``distribution``: ``distribute_shards_to_ranks`` on 100,000 shards x 64 
 regimes (1-8 random holders per shard, all 64, 1-64), against two baselines run in the same process:
 
 * ``reference`` — the plain O(shards · holders) statement of the rule (sort with a tuple key, then
-  ``min`` over each shard's holders); megashard's own ``_distribute_reference``.
+  ``min`` over each shard's holders); megashard's own ``distribute_shards_reference``.
 * ``megatron-shape`` — the loop shape of Megatron-LM's implementation: for every shard, scan all
   ranks and test membership in the holder tuple, O(shards · ranks · holders). Written here from the
   documented rule, not copied.
@@ -36,7 +36,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megashard.checkpoint.exchange import _distribute_reference, distribute_shards_to_ranks
+from megashard.checkpoint.distribution import distribute_shards_reference, distribute_shards_to_ranks
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint.json")
 
@@ -99,7 +99,7 @@ def bench_distribution(args) -> Dict:
     for regime in REGIMES:
         s2r, s2s = make_case(regime, args.shards, args.ranks)
         t_ms, c_ms, got = _best_time(lambda: distribute_shards_to_ranks(s2r, s2s, args.ranks, set()), args.repeat)
-        t_ref, c_ref, ref = _best_time(lambda: _distribute_reference(s2r, s2s, args.ranks, set()), args.ref_repeat)
+        t_ref, c_ref, ref = _best_time(lambda: distribute_shards_reference(s2r, s2s, args.ranks, set()), args.ref_repeat)
         row = {
             "regime": regime, "shards": args.shards, "ranks": args.ranks,
             "megashard_s": t_ms, "reference_s": t_ref, "speedup_vs_reference": t_ref / t_ms,
@@ -190,7 +190,7 @@ def _io_worker(rank: int, world: int, init_file: str, total_bytes: int, tmp: str
     import torch.distributed.checkpoint as dcp
 
     import megashard
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.config import ParallelConfig
 
     warnings.filterwarnings("ignore")
@@ -214,9 +214,9 @@ def _io_worker(rank: int, world: int, init_file: str, total_bytes: int, tmp: str
             for name, algo, verify in variants:
                 root = os.path.join(tmp, "megashard")
                 times.setdefault(f"{name} save", []).append(
-                    _timed(lambda: mdcp.save(root, i, state_dict=sd, checksum=algo)))
+                    _timed(lambda: checkpoint.save(root, i, state_dict=sd, checksum=algo)))
                 times.setdefault(f"{name} load", []).append(
-                    _timed(lambda: mdcp.load(root, state_dict=target, verify=verify)))
+                    _timed(lambda: checkpoint.load(root, state_dict=target, verify=verify)))
                 check_equal()
                 if rank == 0:  # outside the timed region
                     shutil.rmtree(root, ignore_errors=True)

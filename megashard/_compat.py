@@ -90,7 +90,7 @@ def wrap_backend_creator(backend: str, wrap):
     return restore
 
 
-# --- DCP internals (megashard.checkpoint.dcp / consolidate) ----------------------------------------
+# --- DCP internals (megashard.checkpoint: state_dict, planners, storage) ---------------------------
 # Offline (no process group) loading as DCP's own `dcp_to_torch_save` does it, DCP's nested-dict helpers,
 # and the globals a `.metadata` pickle may reference (for a restricted unpickler: no arbitrary code).
 def dcp_empty_state_dict_load_planner_class() -> type:

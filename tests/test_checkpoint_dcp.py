@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from tests._dist import spawn_checks
+from tests._helpers import assert_bitwise_equal, flip_bit, full_state, full_tensors
 
 ROOT_ENV = "MEGASHARD_TEST_DCP_ROOT"
 STEP = 2
@@ -66,46 +67,6 @@ def _train(model, opt, steps: int = 2) -> None:
         opt.zero_grad()
 
 
-def _full(v):
-    from torch.distributed.tensor import DTensor
-
-    from megashard.tensors.uneven import gather_uneven_dtensor_to_full_tensor
-
-    if isinstance(v, DTensor):
-        return gather_uneven_dtensor_to_full_tensor(v, return_dtensor=False)
-    if isinstance(v, torch.Tensor):
-        return v.detach().clone()
-    if isinstance(v, dict):
-        return {k: _full(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_full(x) for x in v)
-    return v
-
-
-def full_state(model, opt) -> dict:
-    """Full (unsharded) model and optimizer state, keyed as DCP's get_state_dict keys them."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": _full(msd), "optim": _full(osd)}
-
-
-def assert_bitwise_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, (where, a, b)
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where  # bits, NaN-safe
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, sorted(a), sorted(b))
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
 RAGGED = torch.arange(39, dtype=torch.float32).view(13, 3)
 
 
@@ -131,8 +92,8 @@ def _writer_check(ckpt: str, sd_flat_local: list) -> dict:
     """Every chunk's writer is the holder megashard's distribution picks, and no byte is written twice."""
     import torch.distributed as dist
 
-    from megashard.checkpoint.dcp import load_dcp_metadata
-    from megashard.checkpoint.exchange import distribute_shards_to_ranks
+    from megashard.checkpoint.distribution import distribute_shards_to_ranks
+    from megashard.checkpoint.storage import load_dcp_metadata
 
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sd_flat_local)
@@ -191,7 +152,7 @@ def _destroy() -> None:
 def check_save_tp2_dp2(rank, world_size):
     import torch.distributed as dist
 
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
 
     st, model, opt = _build(0, tp=2)
@@ -201,9 +162,9 @@ def check_save_tp2_dp2(rank, world_size):
         torch.rand(3)  # advance the model-parallel stream so a restore is distinguishable from a reseed
     dp_rank = st.rank_in("dp")
     ragged = _ragged(st, [5, 0, 2, 6])
-    path = mdcp.save(os.path.join(_root(), "a"), STEP, model, opt, consumed_samples=CONSUMED,
-                     data_state={"dp_rank": dp_rank, "pos": torch.tensor([dp_rank, 8])}, checksum="crc32",
-                     state_dict={"ragged": ragged})
+    path = checkpoint.save(os.path.join(_root(), "a"), STEP, model, opt, consumed_samples=CONSUMED,
+                           data_state={"dp_rank": dp_rank, "pos": torch.tensor([dp_rank, 8])}, checksum="crc32",
+                           state_dict={"ragged": ragged})
     assert path == _ckpt("a")
     ref = full_state(model, opt)
     torch.save(get_cuda_rng_tracker().get_states(), os.path.join(_root(), f"rng_{rank}.pt"))
@@ -219,11 +180,11 @@ def check_save_tp2_dp2(rank, world_size):
 
 
 def check_load_same_layout_restores_rng_and_data(rank, world_size):
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.random import get_cuda_rng_tracker
 
     st, model, opt = _build(1, tp=2)
-    report = mdcp.load(os.path.join(_root(), "a"), model, opt)
+    report = checkpoint.load(os.path.join(_root(), "a"), model, opt)
     assert_bitwise_equal(full_state(model, opt), _reference())
     assert report.same_layout and report.rng == "restored" and report.data == "restored"
     assert report.step == STEP and report.consumed_samples == CONSUMED
@@ -235,20 +196,20 @@ def check_load_same_layout_restores_rng_and_data(rank, world_size):
 
 
 def _check_resharded_load(rank, seed: int, ckpt: str = "a", **sizes):
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
+    from megashard.checkpoint.rank_state import reseed_value
     from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
-
     from megashard.tensors.uneven import gather_uneven_dtensor_to_full_tensor
 
     st, model, opt = _build(seed, **sizes)
     extra = {"ragged": _ragged(st, [3, 3, 3, 4], empty=True)} if ckpt == "a" else None
-    report = mdcp.load(os.path.join(_root(), ckpt), model, opt, state_dict=extra)
+    report = checkpoint.load(os.path.join(_root(), ckpt), model, opt, state_dict=extra)
     assert_bitwise_equal(full_state(model, opt), _reference())
     if extra is not None:  # arbitrary uneven pieces saved, read back into other arbitrary pieces
         assert torch.equal(gather_uneven_dtensor_to_full_tensor(extra["ragged"], return_dtensor=False), RAGGED)
     assert not report.same_layout
     # dp changed (2 -> 4 / 1) or the layout did: RNG re-seeded from (seed, step), data from consumed_samples.
-    assert report.rng == "reseeded" and report.rng_seed == mdcp.reseed_value(1234, STEP)
+    assert report.rng == "reseeded" and report.rng_seed == reseed_value(1234, STEP)
     assert report.data == "recomputed" and report.data_state is None and report.consumed_samples == CONSUMED
     assert any("consumed_samples=16" in n for n in report.notes), report.notes
     got = get_cuda_rng_tracker().get_states()
@@ -269,10 +230,10 @@ def check_load_tp4(rank, world_size):
 
 def check_load_cp2_keeps_data_state(rank, world_size):
     """tp2·dp2 -> cp2·dp2: the layout changed (RNG re-seeded) but dp did not, so dp rank d gets dp rank d's state."""
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
 
     st, model, opt = _build(7, cp=2)
-    report = mdcp.load(os.path.join(_root(), "a"), model, opt)
+    report = checkpoint.load(os.path.join(_root(), "a"), model, opt)
     assert_bitwise_equal(full_state(model, opt), _reference())
     dp_rank = st.rank_in("dp")
     assert dp_rank == rank // 2  # cp varies fastest here; in the saved tp2·dp2 layout dp rank d was ranks 2d, 2d+1
@@ -282,11 +243,11 @@ def check_load_cp2_keeps_data_state(rank, world_size):
 
 
 def check_load_hsdp_then_save(rank, world_size):
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
 
     st, model, opt, _ = _check_resharded_load(rank, 4, dp_outer=2)
     assert st.fully_shard_mesh.ndim == 2  # really HSDP
-    path = mdcp.save(os.path.join(_root(), "b"), STEP, model, opt, consumed_samples=CONSUMED)
+    path = checkpoint.save(os.path.join(_root(), "b"), STEP, model, opt, consumed_samples=CONSUMED)
     info = _writer_check(path, _local_items(model, opt))
     writers = set(info["written"].values())
     assert writers == {0, 1, 2, 3}, writers  # the HSDP replicas share the writing
@@ -303,25 +264,52 @@ def check_corrupt_file_raises_on_every_rank(rank, world_size):
 
     import torch.distributed as dist
 
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.errors import CheckpointCorruptedError
 
     src, dst = _ckpt("a"), os.path.join(_root(), "c", f"step_{STEP:08d}")
     if rank == 0:
         shutil.copytree(src, dst)
-        with open(os.path.join(dst, "__1_0.distcp"), "r+b") as f:
-            f.seek(100)
-            b = f.read(1)
-            f.seek(100)
-            f.write(bytes([b[0] ^ 0x01]))
+        flip_bit(os.path.join(dst, "__1_0.distcp"), 100, bit=0)
     dist.barrier()
     st, model, opt = _build(6, tp=2)
     with pytest.raises(CheckpointCorruptedError, match=r"__1_0\.distcp.*crc32 checksum"):
-        mdcp.load(os.path.join(_root(), "c"), model, opt)
+        checkpoint.load(os.path.join(_root(), "c"), model, opt)
     _destroy()
 
 
+def check_every_rank_ends_a_step_with_the_same_error(rank, world_size):
+    """collective.agree: values in rank order; the lowest failing rank's error on every rank (its own exception
+    there, a copy naming it elsewhere); rank 0's result or error reaches every rank. save() refuses ranks that
+    pass different steps, and an existing step, on every rank."""
+    from megashard import checkpoint
+    from megashard.checkpoint.collective import agree
+    from megashard.errors import CheckpointCorruptedError, CheckpointError
+
+    assert agree(rank * 10) == [0, 10, 20, 30]
+    mine = CheckpointCorruptedError(f"bad file on rank {rank}") if rank in (1, 3) else None
+    if mine is not None:
+        mine.problems = [f"problem {rank}"]
+    with pytest.raises(CheckpointCorruptedError) as err:
+        agree(rank, mine)
+    assert err.value is mine if rank == 1 else str(err.value) == "(raised on rank 1) bad file on rank 1"
+    assert err.value.problems == ["problem 1"]
+    assert agree(rank, rank0=sum) == 6
+    with pytest.raises(CheckpointError) as err:  # not a megashard error: travels as a CheckpointError
+        agree(rank, OSError("disk full") if rank == 2 else None, rank0=sum)
+    assert str(err.value) == ("" if rank == 2 else "(raised on rank 2) ") + "OSError: disk full"
+    with pytest.raises(CheckpointError, match=r"^(\(raised on rank 0\) )?ZeroDivisionError"):
+        agree(rank, rank0=lambda values: 1 // 0)
+    model = nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match="ranks disagree on the checkpoint: rank 0 saves step 5"):
+        checkpoint.save(os.path.join(_root(), "d"), 5 + (rank == 3), model)
+    checkpoint.save(os.path.join(_root(), "d"), 5, model)
+    with pytest.raises(CheckpointError, match=r"^(\(raised on rank 0\) )?checkpoint .*step_00000005 already exists"):
+        checkpoint.save(os.path.join(_root(), "d"), 5, model)
+
+
 CHECKS = [
+    check_every_rank_ends_a_step_with_the_same_error,
     check_save_tp2_dp2,
     check_load_same_layout_restores_rng_and_data,
     check_load_dp4,
@@ -352,14 +340,14 @@ def test_load_into_one_process(dist4):
     """No process group: a plain Net and AdamW get the tp2·dp2 checkpoint's exact full tensors."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
 
     model = _net(8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     extra = {"ragged": torch.zeros(13, 3)}
-    report = mdcp.load(os.path.join(_root(), "a"), model, opt, state_dict=extra)
+    report = checkpoint.load(os.path.join(_root(), "a"), model, opt, state_dict=extra)
     assert torch.equal(extra["ragged"], RAGGED)
     msd, osd = get_state_dict(model, opt)
-    assert_bitwise_equal({"model": _full(msd), "optim": _full(osd)}, _reference())
+    assert_bitwise_equal({"model": full_tensors(msd), "optim": full_tensors(osd)}, _reference())
     assert report.rng == "reseeded" and report.data == "recomputed" and report.consumed_samples == CONSUMED
     assert report.saved_layout["sizes"]["tp"] == 2 and report.current_layout["world_size"] == 1

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megashard.checkpoint import dcp as mdcp
-from megashard.checkpoint import safety
+from megashard import checkpoint
+from megashard.checkpoint import checksums, safety
 from megashard.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
+from tests._helpers import assert_bitwise_equal, flip_bit, params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,25 +36,9 @@ def _trained(seed: int = 0):
     return m, o
 
 
-def _params(m) -> dict:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _flip(path: str, pos: int = 64) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_layout_file_marker_and_roundtrip(tmp_path):
     m, o = _trained()
-    path = mdcp.save(str(tmp_path), 3, m, o, consumed_samples=12, data_state={"i": 5}, checksum="sha256")
+    path = checkpoint.save(str(tmp_path), 3, m, o, consumed_samples=12, data_state={"i": 5}, checksum="sha256")
     assert os.path.basename(path) == "step_00000003"
     assert sorted(os.listdir(tmp_path)) == ["step_00000003"]  # no temporary directory left
     marker = safety.read_marker(path)
@@ -61,13 +46,13 @@ def test_layout_file_marker_and_roundtrip(tmp_path):
     on_disk = {os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs}
     assert set(marker.files) == on_disk - {safety.MARKER_FILE}  # every file, marker excluded
     for name, rec in marker.files.items():
-        assert rec == safety.file_record(os.path.join(path, name), "sha256")
+        assert rec == checksums.file_record(os.path.join(path, name), "sha256")
     info = json.load(open(os.path.join(path, safety.LAYOUT_FILE)))
     assert info["step"] == 3 and info["consumed_samples"] == 12 and info["has_data_state"] is True
     assert info["layout"] == {"world_size": 1, "config": None, "sizes": None}
     m2, o2 = _model(1)
-    report = mdcp.load(str(tmp_path), m2, o2)
-    assert _equal(_params(m), _params(m2))
+    report = checkpoint.load(str(tmp_path), m2, o2)
+    assert_bitwise_equal(params(m), params(m2))
     assert report.rng == "restored" and report.data == "restored" and report.data_state == {"i": 5}
 
 
@@ -75,23 +60,23 @@ _KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch, torch.nn as nn
     sys.path.insert(0, {repo!r})
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
+    from megashard.checkpoint import rank_state, safety
     root = sys.argv[1]
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    mdcp.save(root, 1, m)
+    checkpoint.save(root, 1, m)
     torch.save(m.state_dict(), os.path.join(root, "..", "ref1.pt"))
-    for step, stage in ((2, "after_data"), (3, "before_commit")):
+    # Killed when the save reaches a step: after DCP wrote the data (at the per-rank state), or with the
+    # marker written but the directory not yet renamed (at the commit).
+    for step, (module, step_fn) in ((2, (rank_state, "write_rank_state")), (3, (safety, "commit_checkpoint"))):
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(1.0)
         pid = os.fork()
-        if pid == 0:  # the child saves and is killed at `stage`: data written, marker missing / not published
-            def hook(s, stage=stage):
-                if s == stage:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            mdcp._TEST_HOOK = hook
-            mdcp.save(root, step, m)
+        if pid == 0:  # the child saves and is killed at that step: data written, marker missing / not published
+            setattr(module, step_fn, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+            checkpoint.save(root, step, m)
             os._exit(3)  # not reached
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
@@ -113,18 +98,18 @@ def test_kill_midway_leaves_previous_checkpoint_loadable(tmp_path):
     assert os.path.isfile(root / ".tmp-step_00000003" / safety.MARKER_FILE)
     assert safety.latest_checkpoint(str(root)) == str(root / "step_00000001")
     m, _ = _model(5)
-    report = mdcp.load(str(root), m)
+    report = checkpoint.load(str(root), m)
     assert report.step == 1
-    assert _equal(_params(m), torch.load(tmp_path / "ref1.pt", weights_only=True))
+    assert_bitwise_equal(params(m), torch.load(tmp_path / "ref1.pt", weights_only=True))
     # The next save removes the leftover and publishes normally.
-    mdcp.save(str(root), 4, m)
+    checkpoint.save(str(root), 4, m)
     assert sorted(os.listdir(root)) == ["step_00000001", "step_00000004"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "flip_rank_state", "flip_metadata"])
 def test_damaged_file_raises_naming_it_before_any_tensor_is_loaded(tmp_path, damage):
     m, o = _trained()
-    path = mdcp.save(str(tmp_path), 1, m, o, checksum="crc32")
+    path = checkpoint.save(str(tmp_path), 1, m, o, checksum="crc32")
     target = {"flip": "__0_0.distcp", "truncate": "__0_0.distcp", "delete": "__0_0.distcp",
               "flip_rank_state": "rank_state/000000.pt", "flip_metadata": ".metadata"}[damage]
     full = os.path.join(path, target)
@@ -134,13 +119,13 @@ def test_damaged_file_raises_naming_it_before_any_tensor_is_loaded(tmp_path, dam
     elif damage == "delete":
         os.remove(full)
     else:
-        _flip(full, 40)
+        flip_bit(full, 40, bit=4)
     m2, o2 = _model(1)
-    before = _params(m2)
+    before = params(m2)
     expected = {"truncate": "truncated", "delete": "missing"}.get(damage, "crc32 checksum")
     with pytest.raises(CheckpointCorruptedError, match=rf"{target.replace('.', '[.]')}: .*{expected}"):
-        mdcp.load(str(tmp_path), m2, o2)
-    assert _equal(before, _params(m2))  # nothing was loaded
+        checkpoint.load(str(tmp_path), m2, o2)
+    assert_bitwise_equal(before, params(m2))  # nothing was loaded
     # The offline tools refuse it as well.
     from megashard.checkpoint.consolidate import consolidate
 
@@ -153,29 +138,29 @@ def test_retention_keeps_exactly_k_and_newest_complete_is_loaded(tmp_path):
     for step in range(1, 6):
         with torch.no_grad():
             m[0].bias.fill_(float(step))
-        mdcp.save(str(tmp_path), step, m, keep_last=2, checksum="crc32")
+        checkpoint.save(str(tmp_path), step, m, keep_last=2, checksum="crc32")
     assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000005"]
     # A step directory without a marker (e.g. a partial copy) is not a checkpoint.
     os.makedirs(tmp_path / "step_00000009")
     m2, _ = _model(1)
-    assert mdcp.load(str(tmp_path), m2).step == 5 and float(m2[0].bias.detach()[0]) == 5.0
-    mdcp.save(str(tmp_path), 6, m, keep_last=1, checksum="crc32")
+    assert checkpoint.load(str(tmp_path), m2).step == 5 and float(m2[0].bias.detach()[0]) == 5.0
+    checkpoint.save(str(tmp_path), 6, m, keep_last=1, checksum="crc32")
     assert sorted(os.listdir(tmp_path)) == ["step_00000006", "step_00000009"]  # newer incomplete dir untouched
     with pytest.raises(CheckpointError, match="keep_last"):
-        mdcp.save(str(tmp_path), 7, m, keep_last=0)
+        checkpoint.save(str(tmp_path), 7, m, keep_last=0)
     with pytest.raises(CheckpointError, match="already exists"):
-        mdcp.save(str(tmp_path), 6, m)
-    mdcp.save(str(tmp_path), 6, m, overwrite=True)
+        checkpoint.save(str(tmp_path), 6, m)
+    checkpoint.save(str(tmp_path), 6, m, overwrite=True)
 
 
 def test_no_checkpoint_found_lists_what_is_there(tmp_path):
     os.makedirs(tmp_path / "step_00000002")
     os.makedirs(tmp_path / ".tmp-step_00000003")
     with pytest.raises(CheckpointNotFoundError, match=r"step_00000002.*\.tmp-step_00000003"):
-        mdcp.load(str(tmp_path), _model(0)[0])
+        checkpoint.load(str(tmp_path), _model(0)[0])
     (tmp_path / "step_00000002" / safety.MARKER_FILE).write_text("{not json")
     with pytest.raises(CheckpointCorruptedError, match="COMPLETE.json.*not valid JSON"):
-        mdcp.load(str(tmp_path), _model(0)[0])
+        checkpoint.load(str(tmp_path), _model(0)[0])
 
 
 class _Evil:
@@ -186,7 +171,7 @@ class _Evil:
 def _rewrite_marker(path: str) -> None:
     """What an attacker (not a crash) would do: recompute the marker after replacing a file."""
     marker = safety.read_marker(path)
-    files = {n: safety.file_record(os.path.join(path, n), marker.algorithm) for n in marker.files}
+    files = {n: checksums.file_record(os.path.join(path, n), marker.algorithm) for n in marker.files}
     safety.write_marker(path, marker.step, files, marker.algorithm)
 
 
@@ -195,11 +180,11 @@ def test_arbitrary_pickles_are_never_executed(tmp_path, where):
     if os.path.exists("/tmp/megashard-pwned"):
         os.remove("/tmp/megashard-pwned")
     m, _ = _model(0)
-    path = mdcp.save(str(tmp_path), 1, m, state_dict={"note": "ok"})
+    path = checkpoint.save(str(tmp_path), 1, m, state_dict={"note": "ok"})
     if where == "extra_item":  # a non-tensor DCP item: patch the pickled bytes inside the data file
         import io
 
-        from megashard.checkpoint.dcp import load_dcp_metadata
+        from megashard.checkpoint.storage import load_dcp_metadata
 
         md = load_dcp_metadata(os.path.join(path, ".metadata"))
         (idx, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == "extra.note"]
@@ -223,14 +208,14 @@ def test_arbitrary_pickles_are_never_executed(tmp_path, where):
         match = "weights_only"
     _rewrite_marker(path)
     with pytest.raises(CheckpointCorruptedError, match=match):
-        mdcp.load(str(tmp_path), _model(1)[0], state_dict={"note": None})
+        checkpoint.load(str(tmp_path), _model(1)[0], state_dict={"note": None})
     assert not os.path.exists("/tmp/megashard-pwned")
 
 
 def test_non_weights_only_state_is_refused_at_save(tmp_path):
     with pytest.raises(CheckpointError, match="weights_only"):
-        mdcp.save(str(tmp_path), 1, _model(0)[0], data_state={"sampler": _Evil()})
+        checkpoint.save(str(tmp_path), 1, _model(0)[0], data_state={"sampler": _Evil()})
     with pytest.raises(CheckpointError, match="weights_only"):
-        mdcp.save(str(tmp_path), 1, _model(0)[0], state_dict={"obj": _Evil()})
+        checkpoint.save(str(tmp_path), 1, _model(0)[0], state_dict={"obj": _Evil()})
     assert not os.path.exists("/tmp/megashard-pwned")
     assert os.listdir(tmp_path) == []

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from megashard.checkpoint import dcp as mdcp
-from megashard.checkpoint import safety
+from megashard import checkpoint
+from megashard.checkpoint import checksums, safety
 from megashard.checkpoint.storage import load_dcp_metadata
 from megashard.errors import CheckpointCorruptedError
 
@@ -62,7 +62,7 @@ def _save(tmp_path) -> tuple[str, nn.Module]:
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
     m(torch.ones(2, 5)).sum().backward()
     opt.step()
-    return mdcp.save(str(tmp_path / "ckpts"), 1, m, opt), m
+    return checkpoint.save(str(tmp_path / "ckpts"), 1, m, opt), m
 
 
 def _replace_metadata(path: str, data: bytes) -> None:
@@ -71,7 +71,7 @@ def _replace_metadata(path: str, data: bytes) -> None:
         f.write(data)
     marker = safety.read_marker(path)
     files = dict(marker.files)
-    files[".metadata"] = safety.file_record(os.path.join(path, ".metadata"), marker.algorithm)
+    files[".metadata"] = checksums.file_record(os.path.join(path, ".metadata"), marker.algorithm)
     items = {n: [(o, k, c) for (o, k), c in t.items()] for n, t in marker.items.items()}
     safety.write_marker(path, marker.step, files, marker.algorithm, items)
 
@@ -90,7 +90,7 @@ def test_metadata_pickled_by_python_3_11_2_loads(tmp_path, protocol):
     # The whole checkpoint loads, bit for bit.
     torch.manual_seed(1)
     m2 = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
-    mdcp.load(os.path.dirname(path), m2)
+    checkpoint.load(os.path.dirname(path), m2)
     for (k, a), b in zip(ref.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -171,7 +171,7 @@ def test_refused_globals_and_the_whole_load_path(tmp_path):
     path, _ = _save(tmp_path)
     _replace_metadata(path, _getattr_pickle(_glob(MD_MODULE, "_MEM_FORMAT_ENCODING"), "_missing_"))
     with pytest.raises(CheckpointCorruptedError, match=r"step_00000001/\.metadata: DCP metadata cannot be read safely"):
-        mdcp.load(os.path.dirname(path), nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
+        checkpoint.load(os.path.dirname(path), nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
 
 
 def test_metadata_written_by_this_interpreter_still_loads(tmp_path):

@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megashard.checkpoint import dcp as mdcp
-from megashard.checkpoint import safety
+from megashard import checkpoint
+from megashard.checkpoint import checksums, safety
+from megashard.checkpoint.storage import load_dcp_metadata
 from megashard.cli import main
 from megashard.errors import CheckpointCorruptedError
 from tests._dist import spawn_checks
+from tests._helpers import flip_bit
 
 ROOT_ENV = "MEGASHARD_TEST_VERIFY_ROOT"
 STEP_DIR = "step_00000001"
@@ -33,14 +35,6 @@ def _root() -> str:
 
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
-
-
-def _flip(path: str, offset: int, bit: int = 0) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ (1 << bit)]))
 
 
 def check_save_and_distributed_damage(rank, world_size):
@@ -59,7 +53,7 @@ def check_save_and_distributed_damage(rank, world_size):
     model(torch.ones(2, 5)).sum().backward()
     opt.step()
     root = os.path.join(_root(), "ckpts")
-    mdcp.save(root, 1, model, opt, consumed_samples=4, data_state={"pos": rank})
+    checkpoint.save(root, 1, model, opt, consumed_samples=4, data_state={"pos": rank})
     msd, _ = get_state_dict(model, opt)
     before = {k: v.to_local().clone() for k, v in msd.items()}
     # A flipped byte in the last item of rank 1's data file: every rank raises, naming the file and the item.
@@ -67,12 +61,12 @@ def check_save_and_distributed_damage(rank, world_size):
     if rank == 0:
         shutil.copytree(root, bad)
         path = os.path.join(bad, STEP_DIR, "__1_0.distcp")
-        _flip(path, os.path.getsize(path) - 20)
+        flip_bit(path, os.path.getsize(path) - 20, bit=0)
     dist.barrier()
     with pytest.raises(CheckpointCorruptedError, match=r"__1_0\.distcp: crc32 checksum \w+ of item '"):
-        mdcp.load(bad, model, opt)
+        checkpoint.load(bad, model, opt)
     # The intact checkpoint loads (the same values) after the failed attempt.
-    mdcp.load(root, model, opt)
+    checkpoint.load(root, model, opt)
     msd, _ = get_state_dict(model, opt)
     for k, v in msd.items():
         assert torch.equal(v.to_local(), before[k]), k
@@ -103,14 +97,14 @@ def _load_one_process(root: str):
     torch.manual_seed(3)
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    return mdcp.load(root, model, opt), model
+    return checkpoint.load(root, model, opt), model
 
 
 def test_items_tile_every_data_file_and_match_its_bytes(ckpt):
     root, _ = ckpt
     path = os.path.join(root, STEP_DIR)
     marker = safety.read_marker(path)
-    md = mdcp.load_dcp_metadata(os.path.join(path, ".metadata"))
+    md = load_dcp_metadata(os.path.join(path, ".metadata"))
     data_files = sorted(n for n in marker.files if n.endswith(".distcp"))
     assert data_files == ["__0_0.distcp", "__1_0.distcp"] and sorted(marker.items) == data_files
     for name in data_files:
@@ -119,8 +113,8 @@ def test_items_tile_every_data_file_and_match_its_bytes(ckpt):
         assert spans == sorted((int(i.offset), int(i.length)) for i in md.storage_data.values() if i.relative_path == name)
         assert sum(n for _, n in spans) == len(raw) == marker.files[name]["size"]
         for (off, n), digest in marker.items[name].items():
-            assert safety.bytes_checksum(raw[off:off + n]) == digest
-        assert safety.bytes_checksum(raw) == marker.files[name]["checksum"]  # whole-file checksum kept (inspect)
+            assert checksums.bytes_checksum(raw[off:off + n]) == digest
+        assert checksums.bytes_checksum(raw) == marker.files[name]["checksum"]  # whole-file checksum kept (inspect)
 
 
 def _flip_cases() -> list[tuple[str, int, int]]:
@@ -139,7 +133,7 @@ def test_bit_flips_at_20_random_offsets_are_reported_by_load_inspect_and_consoli
         copy = _copy(root, tmp_path / f"c{i}")
         target = os.path.join(copy, STEP_DIR, name)
         offset = int(where * os.path.getsize(target))
-        _flip(target, offset, bit)
+        flip_bit(target, offset, bit)
         what = f"case {i}: bit {bit} of byte {offset} of {name}"
         with pytest.raises(CheckpointCorruptedError) as err:
             _load_one_process(copy)
@@ -156,14 +150,14 @@ def test_bit_flips_at_20_random_offsets_are_reported_by_load_inspect_and_consoli
 def test_load_hashes_items_in_reader_threads_not_whole_files_first(ckpt, tmp_path, monkeypatch):
     root, _ = ckpt
     hashed_whole, item_threads = [], set()
-    real_file, real_bytes = safety.file_checksum, safety.bytes_checksum
-    monkeypatch.setattr(safety, "file_checksum", lambda path, alg="crc32": hashed_whole.append(path) or real_file(path, alg))
+    real_file, real_bytes = checksums.file_checksum, checksums.bytes_checksum
+    monkeypatch.setattr(checksums, "file_checksum", lambda path, alg="crc32": hashed_whole.append(path) or real_file(path, alg))
 
     def bytes_checksum(data, alg="crc32"):
         item_threads.add(threading.current_thread().name.split("_")[0])
         return real_bytes(data, alg)
 
-    monkeypatch.setattr(safety, "bytes_checksum", bytes_checksum)
+    monkeypatch.setattr(checksums, "bytes_checksum", bytes_checksum)
     report, model = _load_one_process(root)
     assert report.step == 1
     assert not [p for p in hashed_whole if p.endswith(".distcp")]  # no separate pass over the data
@@ -173,7 +167,7 @@ def test_load_hashes_items_in_reader_threads_not_whole_files_first(ckpt, tmp_pat
     copy = _copy(root, tmp_path / "c")
     marker = safety.read_marker(os.path.join(copy, STEP_DIR))
     (off, n), = [k for k in marker.items["__0_0.distcp"] if k[0] > 0][:1]
-    _flip(os.path.join(copy, STEP_DIR, "__0_0.distcp"), off + n // 2)
+    flip_bit(os.path.join(copy, STEP_DIR, "__0_0.distcp"), off + n // 2, bit=0)
     with pytest.raises(CheckpointCorruptedError, match=rf"__0_0\.distcp: crc32 checksum \w+ of item '.*' .*\(bytes {off}\.\.{off + n}\)"):
         _load_one_process(copy)
 
@@ -190,13 +184,13 @@ def test_checkpoint_without_item_checksums_loads_and_is_verified_whole(ckpt, tmp
     assert safety.read_marker(os.path.join(copy, STEP_DIR)).items == {}
     ref_report, ref = _load_one_process(root)
     hashed = []
-    real = safety.file_checksum
-    monkeypatch.setattr(safety, "file_checksum", lambda path, alg="crc32": hashed.append(path) or real(path, alg))
+    real = checksums.file_checksum
+    monkeypatch.setattr(checksums, "file_checksum", lambda path, alg="crc32": hashed.append(path) or real(path, alg))
     report, model = _load_one_process(copy)
     assert sum(p.endswith(".distcp") for p in hashed) == 2
     for k, v in ref.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
-    _flip(os.path.join(copy, STEP_DIR, "__1_0.distcp"), 100)
+    flip_bit(os.path.join(copy, STEP_DIR, "__1_0.distcp"), 100, bit=0)
     with pytest.raises(CheckpointCorruptedError, match=r"__1_0\.distcp: crc32 checksum \w+ does not match"):
         _load_one_process(copy)
     assert main(["ckpt", "inspect", copy]) == 1
@@ -208,10 +202,10 @@ def _truncate(path: str) -> None:
 
 
 DAMAGE = {
-    "flipped data file": ("__0_0.distcp", lambda p: _flip(p, 33), "crc32 checksum"),
-    "flipped .metadata": (".metadata", lambda p: _flip(p, 33), "crc32 checksum"),
-    "flipped megashard.json": ("megashard.json", lambda p: _flip(p, 3), "crc32 checksum"),
-    "flipped per-rank state": ("rank_state/000001.pt", lambda p: _flip(p, 99), "crc32 checksum"),
+    "flipped data file": ("__0_0.distcp", lambda p: flip_bit(p, 33, bit=0), "crc32 checksum"),
+    "flipped .metadata": (".metadata", lambda p: flip_bit(p, 33, bit=0), "crc32 checksum"),
+    "flipped megashard.json": ("megashard.json", lambda p: flip_bit(p, 3, bit=0), "crc32 checksum"),
+    "flipped per-rank state": ("rank_state/000001.pt", lambda p: flip_bit(p, 99, bit=0), "crc32 checksum"),
     "truncated data file": ("__1_0.distcp", _truncate, "truncated"),
     "truncated .metadata": (".metadata", _truncate, "truncated"),
     "missing data file": ("__1_0.distcp", os.remove, "missing"),
@@ -237,7 +231,7 @@ def test_inspect_no_verify_compares_sizes_only(ckpt, tmp_path, capsys):
     root, _ = ckpt
     copy = _copy(root, tmp_path / "c")
     assert main(["ckpt", "inspect", copy, "--no-verify"]) == 0
-    _flip(os.path.join(copy, STEP_DIR, "__0_0.distcp"), 40)
+    flip_bit(os.path.join(copy, STEP_DIR, "__0_0.distcp"), 40, bit=0)
     assert main(["ckpt", "inspect", copy, "--no-verify"]) == 0  # sizes intact: not read
     assert main(["ckpt", "inspect", copy]) == 1
     _truncate(os.path.join(copy, STEP_DIR, "__1_0.distcp"))
@@ -253,18 +247,18 @@ def test_crc32_combine_equals_the_crc_of_the_concatenation():
     for _ in range(200):
         a = rng.randbytes(rng.randrange(0, 3000))
         b = rng.randbytes(rng.choice([0, 1, 3, 64, rng.randrange(0, 70000)]))
-        assert safety.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert checksums.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_sha256_checkpoints_are_verified_per_item_too(tmp_path):
     torch.manual_seed(0)
     model = _net()
-    path = mdcp.save(str(tmp_path), 2, model, checksum="sha256")
+    path = checkpoint.save(str(tmp_path), 2, model, checksum="sha256")
     marker = safety.read_marker(path)
     raw = open(os.path.join(path, "__0_0.distcp"), "rb").read()
-    assert marker.algorithm == "sha256" and marker.files["__0_0.distcp"]["checksum"] == safety.bytes_checksum(raw, "sha256")
+    assert marker.algorithm == "sha256" and marker.files["__0_0.distcp"]["checksum"] == checksums.bytes_checksum(raw, "sha256")
     (off, n), digest = sorted(marker.items["__0_0.distcp"].items())[-1]
-    assert len(digest) == 64 and digest == safety.bytes_checksum(raw[off:off + n], "sha256")
-    _flip(os.path.join(path, "__0_0.distcp"), off + 1)
+    assert len(digest) == 64 and digest == checksums.bytes_checksum(raw[off:off + n], "sha256")
+    flip_bit(os.path.join(path, "__0_0.distcp"), off + 1, bit=0)
     with pytest.raises(CheckpointCorruptedError, match=rf"__0_0\.distcp: sha256 checksum \w+ of item '.*' .*\(bytes {off}\.\."):
-        mdcp.load(str(tmp_path), _net())
+        checkpoint.load(str(tmp_path), _net())

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from megashard.cli import main
 from tests._dist import spawn_checks
+from tests._helpers import assert_bitwise_equal, full_state
 
 ROOT_ENV = "MEGASHARD_TEST_CLI_ROOT"
 
@@ -19,27 +20,10 @@ def _root() -> str:
     return os.environ[ROOT_ENV]
 
 
-def _full(v):
-    from torch.distributed.tensor import DTensor
-
-    from megashard.tensors.uneven import gather_uneven_dtensor_to_full_tensor
-
-    if isinstance(v, DTensor):
-        return gather_uneven_dtensor_to_full_tensor(v, return_dtensor=False)
-    if isinstance(v, torch.Tensor):
-        return v.detach().clone()
-    if isinstance(v, dict):
-        return {k: _full(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_full(x) for x in v)
-    return v
-
-
 def check_save_fsdp2(rank, world_size):
     import megashard
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.config import ParallelConfig
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     st = megashard.initialize(ParallelConfig())
@@ -49,9 +33,8 @@ def check_save_fsdp2(rank, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(2, 5)).sum().backward()
     opt.step()
-    mdcp.save(_root(), 1, model, opt, consumed_samples=4, checksum="crc32")
-    msd, osd = get_state_dict(model, opt)
-    ref = {"model": _full(msd), "optim": _full(osd)}
+    checkpoint.save(_root(), 1, model, opt, consumed_samples=4, checksum="crc32")
+    ref = full_state(model, opt)
     if rank == 0:
         torch.save(ref, os.path.join(os.path.dirname(_root()), "ref.pt"))
     megashard.destroy()
@@ -124,7 +107,7 @@ def test_consolidate_writes_the_full_tensors(ckpt, tmp_path, capsys):
     flat_ref, flat_got = _flat(ref), _flat(full)
     assert set(flat_ref) == set(flat_got)
     for k, t in flat_ref.items():
-        assert t.dtype == flat_got[k].dtype and torch.equal(t.view(-1).view(torch.uint8), flat_got[k].view(-1).view(torch.uint8)), k
+        assert_bitwise_equal(t, flat_got[k], k)
     assert full["optim"]["param_groups"] == ref["optim"]["param_groups"]
     # The model part loads into a plain module.
     plain = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))

@@ -4,14 +4,9 @@ import random
 import pytest
 import torch
 
-from megashard.checkpoint import ShardedTensor, distribute_shards_to_ranks, is_main_replica
-from megashard.checkpoint.exchange import (
-    _distribute_reference,
-    _shard_size,
-    exchange_by_distribution,
-    is_float8tensor,
-)
-from megashard.checkpoint.mapping import _sharded_tensor_shard_id
+from megashard.checkpoint.distribution import distribute_shards_reference, distribute_shards_to_ranks, shard_size
+from megashard.checkpoint.exchange import exchange_by_distribution, is_float8tensor
+from megashard.checkpoint.mapping import ShardedTensor, is_main_replica, sharded_tensor_shard_id
 from megashard.errors import CheckpointError, MegashardError
 
 
@@ -117,7 +112,7 @@ def test_matches_reference_on_random_inputs():
     for trial in range(250):
         s2r, s2s, R, cross = _random_case(rng)
         got = distribute_shards_to_ranks(s2r, s2s, R, cross)
-        assert got == _distribute_reference(s2r, s2s, R, cross), f"trial {trial} (R={R}, n={len(s2r)})"
+        assert got == distribute_shards_reference(s2r, s2s, R, cross), f"trial {trial} (R={R}, n={len(s2r)})"
 
 
 def test_large_regimes_match_reference():
@@ -125,7 +120,7 @@ def test_large_regimes_match_reference():
     for lo, hi in [(1, 8), (64, 64), (1, 64)]:
         s2r = {("t", (i,), None): sorted(rng.sample(range(64), rng.randint(lo, hi))) for i in range(3000)}
         s2s = {k: 4 * rng.randint(1, 1 << 16) for k in s2r}
-        assert distribute_shards_to_ranks(s2r, s2s, 64, set()) == _distribute_reference(s2r, s2s, 64, set())
+        assert distribute_shards_to_ranks(s2r, s2s, 64, set()) == distribute_shards_reference(s2r, s2s, 64, set())
 
 
 def test_huge_sizes_lexsort_path_and_integer_like_sizes():
@@ -135,7 +130,7 @@ def test_huge_sizes_lexsort_path_and_integer_like_sizes():
     s2s = {k: (1 << 57) - rng.choice([0, 1, 1 << 40]) for k in s2r}
     cross = set(list(s2r)[::5])
     got = distribute_shards_to_ranks(s2r, s2s, 8, cross)
-    assert got == _distribute_reference(s2r, s2s, 8, cross)
+    assert got == distribute_shards_reference(s2r, s2s, 8, cross)
     # Integer-like sizes (bool, 0-dim integer tensors) are integers; the thread count is restored.
     threads = torch.get_num_threads()
     ranks = {"a": [0, 1], "b": [0, 1], "c": [1]}
@@ -148,14 +143,14 @@ def test_sharded_tensor_ids_sizes_and_validation():
     local = torch.zeros(2, 3, dtype=torch.bfloat16)
     sh = ShardedTensor.from_rank_offsets("w", local, (0, 1, 4), replica_id=(0, 1))
     assert (sh.global_shape, sh.global_offset, sh.axis_fragmentations) == ((8, 3), (2, 0), (4, 1))
-    assert _sharded_tensor_shard_id(sh) == ("w", (2, 0), None)
-    assert _shard_size(sh) == 12 and not is_main_replica(sh.replica_id) and is_main_replica((0, 0))
+    assert sharded_tensor_shard_id(sh) == ("w", (2, 0), None)
+    assert shard_size(sh) == 12 and not is_main_replica(sh.replica_id) and is_main_replica((0, 0))
     assert sh.global_slice() == (slice(2, 4), slice(0, 3))
     meta = sh.without_data()
     assert meta.data is None and sh.data is local
     flat = ShardedTensor("f", torch.zeros(4), torch.float32, (3, 5), (6, 5), (3, 0), None,
                          flattened_range=slice(2, 6))
-    assert _sharded_tensor_shard_id(flat) == ("f", (3, 0), (2, 6)) and _shard_size(flat) == 16
+    assert sharded_tensor_shard_id(flat) == ("f", (3, 0), (2, 6)) and shard_size(flat) == 16
     empty = ShardedTensor("e", None, torch.float32, (0, 5), (6, 5), (6, 0))  # PyTorch's empty-shard offset
     empty.init_data("cpu")
     assert empty.data.shape == (0, 5)
@@ -180,3 +175,12 @@ def test_float8_detection_without_transformer_engine():
 def test_unknown_exchange_algorithm():
     with pytest.raises(CheckpointError, match="exchange_algo='ring'.*broadcast, gather_rounds, gather_object"):
         exchange_by_distribution({}, {}, ({}, set(), {}, {}), None, exchange_algo="ring")
+
+
+def test_megatron_names_are_importable_where_megatron_has_them():
+    """``exchange_utils`` and ``mapping`` keep Megatron-LM's names, private ones as aliases of the public ones."""
+    from megashard.checkpoint import distribution, exchange, mapping
+
+    assert exchange._shard_size is shard_size and exchange.distribute_shards_to_ranks is distribute_shards_to_ranks
+    assert exchange.ShardDistribution is distribution.ShardDistribution
+    assert mapping._sharded_tensor_shard_id is sharded_tensor_shard_id and mapping._ShardId is mapping.ShardId

@@ -164,7 +164,7 @@ def check_save_step_100(rank, world_size):
     import torch
 
     import megashard
-    from megashard.checkpoint import dcp as mdcp
+    from megashard import checkpoint
     from megashard.config import ParallelConfig
 
     megashard.initialize(ParallelConfig())
@@ -173,7 +173,7 @@ def check_save_step_100(rank, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    mdcp.save(os.environ[CKPT_ENV], 100, model, opt, consumed_samples=1600)
+    checkpoint.save(os.environ[CKPT_ENV], 100, model, opt, consumed_samples=1600)
     megashard.destroy()
 
 

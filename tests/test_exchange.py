@@ -12,16 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megashard.checkpoint import (
-    ShardedTensor,
+from megashard.checkpoint.exchange import (
+    _get_empty_tensor_for_exchange,
     determine_main_replica_uniform_distribution,
     exchange_by_distribution,
     exchange_loaded_objects_gather_object,
+)
+from megashard.checkpoint.mapping import (
+    ShardedTensor,
+    nested_values,
     sharded_state_dict_from_dtensors,
     sharded_tensor_from_dtensor,
+    sharded_tensor_shard_id,
 )
-from megashard.checkpoint.exchange import _get_empty_tensor_for_exchange
-from megashard.checkpoint.mapping import _sharded_tensor_shard_id, nested_values
 from megashard.errors import CheckpointError
 from tests._dist import spawn_checks
 
@@ -131,7 +134,7 @@ def _load_and_exchange(rank, group, ignore_groups, algo):
     local = [sh for sh in nested_values(c["ssd"]) if isinstance(sh, ShardedTensor)]
     loaded, unloaded, prealloc = {}, {}, {}
     for sh in local:
-        sid = _sharded_tensor_shard_id(sh)
+        sid = sharded_tensor_shard_id(sh)
         if d.main_rank_for_shard[sid] == me:
             loaded[sid] = _expected(sh)  # what this rank read from "disk"
         else:
@@ -141,7 +144,7 @@ def _load_and_exchange(rank, group, ignore_groups, algo):
                 prealloc[sid] = target.data
             unloaded[sid] = target
     out = exchange_by_distribution(loaded, unloaded, d, group, exchange_algo=algo)
-    want = {_sharded_tensor_shard_id(sh): _expected(sh) for sh in local}
+    want = {sharded_tensor_shard_id(sh): _expected(sh) for sh in local}
     if algo == "gather_object":
         assert set(want) <= set(out) and set(out) == set(d.main_rank_for_shard), (set(out), set(want))
     else:

@@ -12,6 +12,7 @@ from megashard.errors import StateError
 from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
 from megashard.recompute import checkpoint
 from tests._dist import spawn_checks
+from tests._helpers import assert_bitwise_equal
 
 SEED = 77
 
@@ -72,16 +73,6 @@ def run(blocks, x0, *, ckpt: bool, distribute: bool = False, tp_rank: int = 0, g
     grads = [p.grad.clone() for b in blocks for p in b.parameters()]
     after = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())
     return h.detach(), x.grad.clone(), grads, after
-
-
-def assert_bitwise_equal(a, b) -> None:
-    out_a, xg_a, grads_a, (cpu_a, tr_a) = a
-    out_b, xg_b, grads_b, (cpu_b, tr_b) = b
-    assert torch.equal(out_a, out_b)
-    assert torch.equal(xg_a, xg_b)
-    assert len(grads_a) == len(grads_b) and all(torch.equal(g, h) for g, h in zip(grads_a, grads_b))
-    assert torch.equal(cpu_a, cpu_b), "generator state after backward differs"
-    assert tr_a.keys() == tr_b.keys() and all(torch.equal(tr_a[k], tr_b[k]) for k in tr_a)
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ from megashard.checkpoint import safety
 from megashard.cli import main
 from megashard.errors import CheckpointCorruptedError, ConfigError
 from tests._dist import spawn_checks
+from tests._helpers import assert_bitwise_equal, flip_bit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "configs", "default.yaml")
@@ -42,14 +43,6 @@ def _dir() -> str:
 
 def _ckpt(tag: str, step: int) -> str:
     return os.path.join(_dir(), tag, "checkpoints", safety.checkpoint_dirname(step))
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x04]))
 
 
 def _run(tag: str, overrides: list[str] = ()) -> None:
@@ -80,7 +73,7 @@ def _prepare(tag: str, steps: list[int], damage: dict[int, str] = None) -> None:
             shutil.copytree(_ckpt("full", s), _ckpt(tag, s))
         for s, name in (damage or {}).items():
             path = os.path.join(_ckpt(tag, s), name)
-            _flip(path, os.path.getsize(path) // 2)
+            flip_bit(path, os.path.getsize(path) // 2, bit=2)
     dist.barrier()
 
 
@@ -136,9 +129,8 @@ def _result(tmp: str, tag: str) -> tuple[dict, dict]:
 
 
 def _assert_same_parameters(got: dict, want: dict) -> None:
-    assert set(got) == set(want) and got
-    for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert got
+    assert_bitwise_equal(got, want)
 
 
 def test_damaged_newest_checkpoint_is_skipped_and_the_run_matches_an_uninterrupted_one(runs):
@@ -206,14 +198,14 @@ def test_consolidated_job_checkpoint_holds_model_and_optim(runs, tmp_path, capsy
 
 def test_checkpoints_saved_under_extra_still_load(tmp_path):
     """Earlier versions saved the job's sections through state_dict= (section "extra"): load(sections=) finds them."""
-    from megashard.checkpoint import dcp
+    from megashard import checkpoint
     from megashard.train.checkpointing import read_full_model
 
     torch.manual_seed(0)
     saved = {"model": {"w": torch.randn(4, 3)}, "optim": {"w.exp_avg": torch.randn(4, 3), "w.step": torch.tensor(3.0)}}
-    dcp.save(str(tmp_path), 3, state_dict=saved)
+    checkpoint.save(str(tmp_path), 3, state_dict=saved)
     target = {"model": {"w": torch.zeros(4, 3)}, "optim": {"w.exp_avg": torch.zeros(4, 3), "w.step": torch.tensor(0.0)}}
-    assert dcp.load(str(tmp_path), sections=target).step == 3
+    assert checkpoint.load(str(tmp_path), sections=target).step == 3
     assert torch.equal(target["model"]["w"], saved["model"]["w"]) and float(target["optim"]["w.step"]) == 3.0
     assert torch.equal(target["optim"]["w.exp_avg"], saved["optim"]["w.exp_avg"])
     assert torch.equal(read_full_model(str(tmp_path))["w"], saved["model"]["w"])

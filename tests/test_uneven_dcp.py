@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests._dist import spawn_checks
+from tests._helpers import assert_bitwise_equal
 
 W = 4
 
@@ -54,27 +55,6 @@ def _train_one_step(model, opt, in_features):
     opt.step()
     opt.zero_grad()
     return x
-
-
-def _assert_state_equal(a, b, path=""):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(a, dict):
-        assert set(a) == set(b), (path, set(a) ^ set(b))
-        for k in a:
-            _assert_state_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_state_equal(x, y, f"{path}.{i}")
-    elif isinstance(a, DTensor):
-        assert isinstance(b, DTensor) and a.placements == b.placements, path
-        la, lb = a.to_local(), b.to_local()
-        assert la.shape == lb.shape and la.dtype == lb.dtype and torch.equal(la, lb), path
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    else:
-        assert a == b, (path, a, b)
 
 
 def check_dcp_fsdp_adamw_and_arbitrary_uneven(rank, world_size):
@@ -143,8 +123,8 @@ def check_dcp_fsdp_adamw_and_arbitrary_uneven(rank, world_size):
 
         m_a, o_a = get_state_dict(model, opt)
         m_b, o_b = get_state_dict(model2, opt2)
-        _assert_state_equal(m_a, m_b, "model")
-        _assert_state_equal(o_a, o_b, "optim")
+        assert_bitwise_equal(m_a, m_b, "model")
+        assert_bitwise_equal(o_a, o_b, "optim")
         assert torch.equal(model(x), model2(x))
         for name, g, parts in (("rows", rows, [1, 6, 4, 0]), ("nested", nested, [3, 1, 0, 5])):
             t = sd2["extra"][name] if name == "rows" else sd2["extra"][name][0]
@@ -154,7 +134,7 @@ def check_dcp_fsdp_adamw_and_arbitrary_uneven(rank, world_size):
         # one more step from the restored state matches one more step from the original
         _train_one_step(model, opt, 5)
         _train_one_step(model2, opt2, 5)
-        _assert_state_equal(get_state_dict(model, opt)[0], get_state_dict(model2, opt2)[0], "after-step")
+        assert_bitwise_equal(get_state_dict(model, opt)[0], get_state_dict(model2, opt2)[0], "after-step")
     finally:
         _cleanup(path)
 
@@ -197,8 +177,8 @@ def check_dcp_fsdp_tp_strided(rank, world_size):
         preprocess_state_dict_for_uneven_dtensor(sd2)
         dcp.load(sd2, checkpoint_id=path)
         set_state_dict(model2, opt2, model_state_dict=sd2["model"], optim_state_dict=sd2["optim"])
-        _assert_state_equal(get_state_dict(model, opt)[0], get_state_dict(model2, opt2)[0], "model")
-        _assert_state_equal(get_state_dict(model, opt)[1], get_state_dict(model2, opt2)[1], "optim")
+        assert_bitwise_equal(get_state_dict(model, opt)[0], get_state_dict(model2, opt2)[0], "model")
+        assert_bitwise_equal(get_state_dict(model, opt)[1], get_state_dict(model2, opt2)[1], "optim")
         assert torch.equal(model(x).full_tensor(), model2(x).full_tensor()) if hasattr(model(x), "full_tensor") \
             else torch.equal(model(x), model2(x))
     finally:

@@ -1,53 +1,25 @@
-"""Checkpoints: shard metadata, work distribution, shard exchange, and DCP save/load with resharding.
+"""Checkpoints: save and load training state with ``torch.distributed.checkpoint``, in any layout.
 
     from megashard import checkpoint
     path = checkpoint.save("ckpt", step, model, optimizer, consumed_samples=n, keep_last=3)
     report = checkpoint.load(checkpoint.latest_checkpoint("ckpt"), model, optimizer)
+
+The package holds one concept per module:
+
+* save / load: :mod:`~megashard.checkpoint.saving`, :mod:`~megashard.checkpoint.loading`, built on
+  :mod:`~megashard.checkpoint.state_dict` (what is saved), :mod:`~megashard.checkpoint.rank_state`
+  (per-rank RNG and data-loader state), :mod:`~megashard.checkpoint.planners` (who writes which shard,
+  weights-only objects) and :mod:`~megashard.checkpoint.collective` (every rank ends a step alike);
+* files: :mod:`~megashard.checkpoint.safety` (crash-safe directories, completion marker, retention),
+  :mod:`~megashard.checkpoint.checksums`, :mod:`~megashard.checkpoint.storage` (DCP storage that
+  hashes as it writes and verifies as it reads), :mod:`~megashard.checkpoint.consolidate` (offline
+  inspect / consolidate);
+* Megatron-LM's building blocks, with its names: :mod:`~megashard.checkpoint.mapping` (``ShardedTensor``),
+  :mod:`~megashard.checkpoint.distribution` (``distribute_shards_to_ranks``) and
+  :mod:`~megashard.checkpoint.exchange` (``exchange_loaded_tensors_*``).
 """
-from megashard.checkpoint.exchange import (
-    EXCHANGE_ALGORITHMS,
-    ShardDistribution,
-    determine_main_replica_uniform_distribution,
-    distribute_shards_to_ranks,
-    exchange_by_distribution,
-    exchange_loaded_objects_gather_object,
-    exchange_loaded_tensors_broadcast,
-    exchange_loaded_tensors_gather_object,
-    exchange_loaded_tensors_gather_rounds,
-    is_float8tensor,
-)
-from megashard.checkpoint.mapping import (
-    ReplicaId,
-    ShardedStateDict,
-    ShardedTensor,
-    is_main_replica,
-    sharded_state_dict_from_dtensors,
-    sharded_tensor_from_dtensor,
-)
-
-from megashard.checkpoint.dcp import LoadReport, load, save  # noqa: E402  (after the pieces it builds on)
+from megashard.checkpoint.loading import LoadReport, load
 from megashard.checkpoint.safety import latest_checkpoint, list_checkpoints
+from megashard.checkpoint.saving import save
 
-__all__ = [
-    "EXCHANGE_ALGORITHMS",
-    "LoadReport",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load",
-    "save",
-    "ReplicaId",
-    "ShardDistribution",
-    "ShardedStateDict",
-    "ShardedTensor",
-    "determine_main_replica_uniform_distribution",
-    "distribute_shards_to_ranks",
-    "exchange_by_distribution",
-    "exchange_loaded_objects_gather_object",
-    "exchange_loaded_tensors_broadcast",
-    "exchange_loaded_tensors_gather_object",
-    "exchange_loaded_tensors_gather_rounds",
-    "is_float8tensor",
-    "is_main_replica",
-    "sharded_state_dict_from_dtensors",
-    "sharded_tensor_from_dtensor",
-]
+__all__ = ["LoadReport", "latest_checkpoint", "list_checkpoints", "load", "save"]

@@ -23,9 +23,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megashard._compat import dcp_empty_state_dict_load_planner_class, dcp_load_state_dict
+from megashard._compat import dcp_load_state_dict
 from megashard.checkpoint import safety
-from megashard.checkpoint.dcp import DCP_METADATA, SafeFileSystemReader, _unwrap, _WeightsOnlyBytes, load_dcp_metadata
+from megashard.checkpoint.collective import unwrap_dcp_error
+from megashard.checkpoint.planners import empty_state_dict_load_planner
+from megashard.checkpoint.storage import DCP_METADATA, SafeFileSystemReader, load_dcp_metadata
 from megashard.errors import CheckpointError
 from megashard.progress import Progress
 
@@ -203,11 +205,6 @@ def info_to_dict(info: CheckpointInfo) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- consolidate
-def _safe_empty_planner(keys: set):
-    cls = type("_WeightsOnlyEmptyStateDictLoadPlanner", (_WeightsOnlyBytes, dcp_empty_state_dict_load_planner_class()), {})
-    return cls(keys=keys)
-
-
 def _merge(dst: dict, src: dict) -> None:
     for k, v in src.items():
         if isinstance(v, dict) and isinstance(dst.get(k), dict):
@@ -281,9 +278,9 @@ def load_full_state_dict(
     for batch, nb in batches:
         part: dict = {}
         try:
-            dcp_load_state_dict(part, reader, _safe_empty_planner(batch), no_dist=True)
+            dcp_load_state_dict(part, reader, empty_state_dict_load_planner(batch), no_dist=True)
         except CheckpointException as e:
-            raise _unwrap(e) from None
+            raise unwrap_dcp_error(e) from None
         _merge(out, part)
         bar.update(nb)
     bar.close()

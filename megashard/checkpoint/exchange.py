@@ -1,42 +1,35 @@
-"""Who saves / loads which checkpoint shard, and how loaded shards reach the ranks that need them.
+"""How checkpoint shard metadata and loaded shards travel between ranks (the collectives).
 
-Same names, signatures and assignments as Megatron-LM's ``dist_checkpointing.exchange_utils``:
+Same names and signatures as Megatron-LM's ``dist_checkpointing.exchange_utils``:
 
-* :func:`distribute_shards_to_ranks` — the greedy balance rule (cross-group loads last, fewest holders
-  first, largest first, shard id; least-loaded holder wins, ties to the lower rank). Every rank
-  computes it alone and gets the same answer, so no communication is needed after the metadata
-  exchange. This implementation gives exactly Megatron's assignment with int64 tensor sorting, bulk
-  handling of one-holder shards and a walk over the ranks kept in load order for large holder sets,
-  instead of Megatron's O(shards · ranks · holders) scan.
 * :func:`determine_main_replica_uniform_distribution` — one ``all_gather_object`` of shard metadata,
-  then the distribution above.
+  then the pure rule :func:`~megashard.checkpoint.distribution.distribute_shards_to_ranks`.
 * ``exchange_loaded_tensors_*`` / :func:`exchange_by_distribution` — after every rank loaded its part,
   send each shard to the ranks that need it. Tensors travel as raw bytes, so every dtype works on
   gloo (CPU) and NCCL; the communication device follows the group's backend.
 
+The distribution names (:class:`ShardDistribution`, :func:`distribute_shards_to_ranks`, ``_shard_size``)
+live in :mod:`megashard.checkpoint.distribution` and are importable from here too, as in Megatron.
 Ranks in a :class:`ShardDistribution` are ranks *within* the parallelization group.
 """
 from __future__ import annotations
 
 import logging
-import operator
-from array import array
-from bisect import insort
 from collections import defaultdict
-from contextlib import contextmanager
 from itertools import zip_longest
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from megashard.checkpoint.distribution import ShardDistribution, _shard_size, distribute_shards_to_ranks, shard_size
 from megashard.checkpoint.mapping import (
     ShardedStateDict,
     ShardedTensor,
-    _sharded_tensor_shard_id,
-    _ShardId,
+    ShardId,
     is_main_replica,
     nested_values,
+    sharded_tensor_shard_id,
 )
 from megashard.errors import CheckpointError
 
@@ -74,358 +67,6 @@ def is_float8tensor(tensor: torch.Tensor) -> bool:
     return False
 
 
-class ShardDistribution(NamedTuple):
-    """Which rank of one parallelization group saves/loads every shard (the group itself is implicit).
-
-    Args:
-        main_rank_for_shard: shard id -> group rank that holds the main replica (saves / loads it).
-        shards_in_this_group: shard ids whose main replica this group is responsible for.
-        shard_to_metadata: shard id -> ShardedTensor metadata (``data`` None).
-        all_ranks_for_shard: shard id -> group ranks that hold / need the shard, ascending.
-    """
-
-    main_rank_for_shard: Dict[_ShardId, int]
-    shards_in_this_group: Set[_ShardId]
-    shard_to_metadata: Dict[_ShardId, ShardedTensor]
-    all_ranks_for_shard: Dict[_ShardId, List[int]]
-
-
-def _shard_size(sh_ten: ShardedTensor) -> int:
-    """Size in bytes of the data ``sh_ten`` stores (its flattened range if it has one)."""
-    fr = sh_ten.flattened_range
-    if fr is None:
-        numel = 1
-        for s in sh_ten.local_shape:
-            numel *= int(s)
-    else:
-        numel = fr.stop - fr.start
-    return numel * sh_ten.dtype.itemsize
-
-
-# --------------------------------------------------------------------------------------------------
-# distribution
-# --------------------------------------------------------------------------------------------------
-_WALK_MIN_HOLDERS = 16  # below this (or R/10) a scan over the holders beats walking the rank order
-_SENTINEL = 1 << 255  # "load" of a slot that is not a rank of the group: never the minimum
-
-
-def _distribute_reference(
-    shard_to_ranks: Dict[T, Sequence[int]],
-    shard_to_size: Dict[T, Any],
-    num_ranks: int,
-    cross_parallelization_group_loads: Optional[Iterable[T]] = None,
-) -> Dict[T, int]:
-    """The plain O(shards · holders) statement of the rule; the fast path must agree with it.
-
-    Sort by (in cross-group loads, number of holders, -size, shard id); give each shard to the holder
-    with the smallest (load, rank). Holders outside ``range(num_ranks)`` are ignored, as in Megatron.
-    Also used for inputs the fast path does not take (non-integer or negative sizes).
-    """
-    cross = cross_parallelization_group_loads or ()
-    items = [(k, tuple(v)) for k, v in shard_to_ranks.items()]
-    try:
-        sizes = {k: shard_to_size[k] for k, _ in items}
-    except KeyError as e:
-        raise CheckpointError(
-            f"shard_to_size has no size for shard {e.args[0]!r}; every key of shard_to_ranks needs a size in bytes."
-        ) from None
-    try:
-        items.sort(key=lambda kv: (int(kv[0] in cross), len(kv[1]), -sizes[kv[0]], kv[0]))
-    except TypeError as e:
-        raise CheckpointError(
-            f"shard ids could not be ordered ({e}); ties are broken by comparing shard ids, so they "
-            "must be mutually comparable (e.g. all (key, offset, range-or-None) tuples)."
-        ) from None
-    loads = [0] * num_ranks
-    out: Dict[T, int] = {}
-    for sid, ranks in items:
-        best = None
-        for r in ranks:
-            try:
-                r = operator.index(r)
-            except TypeError:
-                raise CheckpointError(
-                    f"shard {sid!r} lists holder {r!r}, which is not an int; holders are group ranks."
-                ) from None
-            if 0 <= r < num_ranks and (best is None or (loads[r], r) < (loads[best], best)):
-                best = r
-        if best is None:
-            raise CheckpointError(
-                f"shard {sid!r} has holders {list(ranks)} but none is a rank of the group "
-                f"(0 .. {num_ranks - 1}); every shard needs at least one holder in range(num_ranks)."
-            )
-        out[sid] = best
-        loads[best] += sizes[sid]
-    return out
-
-
-@contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """Run torch's CPU ops on one thread inside the block (restored after).
-
-    The tensors here have ~10^5 elements: too few to gain from a second thread, and on a busy
-    machine OpenMP's barriers make a 100k-element argsort or max 30-100x slower than single-threaded
-    (measured: 190 ms vs 5.6 ms on 2 loaded cores). The thread count is per calling thread in
-    OpenMP builds, so other threads' work is not affected.
-    """
-    before = torch.get_num_threads()
-    if before != 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if before != 1:
-            torch.set_num_threads(before)
-
-
-def _int64_tensor(values: Iterable[Any]) -> Optional[torch.Tensor]:
-    """1-D CPU int64 tensor of ``values`` (non-empty) if every one is an integer, else None.
-
-    Goes through ``array('q')``, which takes anything with ``__index__`` (int, bool, numpy and 0-dim
-    torch integers) and refuses floats, strings and integers beyond int64 -- exactly the fast path's
-    domain -- and is faster than ``torch.tensor(list)``; ``frombuffer`` then shares its memory.
-    """
-    try:
-        return torch.frombuffer(array("q", values), dtype=torch.int64)
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def _tie_sorted(order: List[int], equal_next: torch.Tensor, ids: List[Any]) -> bool:
-    """Sort every run of positions whose numeric keys are equal by shard id, in place; True if any."""
-    idx = torch.nonzero(equal_next).view(-1)  # position p ties with p + 1
-    if idx.numel() == 0:
-        return False
-    breaks = torch.nonzero(torch.diff(idx) != 1).view(-1)
-    starts = torch.cat((idx[:1], idx[breaks + 1])).tolist()
-    stops = (torch.cat((idx[breaks], idx[-1:])) + 2).tolist()
-    key = ids.__getitem__
-    try:
-        for a, b in zip(starts, stops):
-            order[a:b] = sorted(order[a:b], key=key)
-    except TypeError as e:
-        raise CheckpointError(
-            f"shard ids could not be ordered ({e}); ties are broken by comparing shard ids, so they "
-            "must be mutually comparable (e.g. all (key, offset, range-or-None) tuples)."
-        ) from None
-    return True
-
-
-def _greedy_order(
-    cov: torch.Tensor, sizes: torch.Tensor, cross: Optional[torch.Tensor], ids: List[Any]
-) -> Tuple[List[int], torch.Tensor]:
-    """Indices sorted by (cross, holders, -size, id), as a list and an int64 tensor.
-
-    Numeric keys are sorted as int64 tensors; shard ids are compared only within runs of equal
-    numeric keys.
-    """
-    max_size = int(sizes.max())
-    size_bits, cov_bits = max_size.bit_length(), int(cov.max()).bit_length()
-    if size_bits + cov_bits + 1 <= 62:  # one packed int64 key: a single argsort
-        key = (cov << size_bits) | (max_size - sizes)
-        if cross is not None:
-            key |= cross.to(torch.int64) << (size_bits + cov_bits)
-        order_t = torch.argsort(key, stable=True)  # ties are re-sorted by shard id below anyway
-        ks = key[order_t]
-        equal_next = ks[1:] == ks[:-1]
-    else:
-        # Successive stable sorts, least significant key first (what a lexsort does).
-        keys = (-sizes, cov) if cross is None else (-sizes, cov, cross.to(torch.int64))
-        order_t = torch.arange(len(sizes), dtype=torch.int64)
-        for k in keys:
-            order_t = order_t[torch.argsort(k[order_t], stable=True)]
-        equal_next = torch.ones(len(order_t) - 1, dtype=torch.bool)
-        for k in keys:
-            ks = k[order_t]
-            equal_next &= ks[1:] == ks[:-1]
-    order = order_t.tolist()
-    if _tie_sorted(order, equal_next, ids):
-        order_t = torch.frombuffer(array("q", order), dtype=torch.int64)
-    return order, order_t
-
-
-def distribute_shards_to_ranks(
-    shard_to_ranks: Dict[T, List[int]],
-    shard_to_size: Dict[T, int],
-    num_ranks: int,
-    cross_parallelization_group_loads: Optional[Set[T]] = None,
-) -> Dict[T, int]:
-    """Assign every shard to one of its holders so that the bytes per rank are as even as possible.
-
-    Greedy, in this order: shards in ``cross_parallelization_group_loads`` last (their main replica
-    lives in another group; assigning them at the end keeps load and save distributions alike), then
-    fewest holders first, then largest size first, then shard id. Each shard goes to the holder with
-    the smallest total so far, ties to the lower rank. Deterministic, so every rank computes the same
-    map; identical to Megatron-LM's ``distribute_shards_to_ranks`` for the same input.
-
-    Args:
-        shard_to_ranks: shard id -> ranks (0 .. num_ranks-1) that hold it. The holder count used for
-            ordering is ``len()`` of this sequence; holders outside ``range(num_ranks)`` are ignored.
-        shard_to_size: shard id -> size in bytes (non-negative ints take the fast path; other
-            comparable numbers work through the plain reference implementation).
-        num_ranks: size of the parallelization group.
-        cross_parallelization_group_loads: shard ids to assign last (None = none).
-
-    Returns:
-        shard id -> rank (listed in the order of ``shard_to_ranks``).
-
-    Raises:
-        CheckpointError: a shard without size, without any holder in range, or incomparable shard ids.
-    """
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise CheckpointError(f"num_ranks={num_ranks!r} must be a positive int (the group size).")
-    with _one_intra_op_thread():
-        return _distribute_fast(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
-
-
-def _distribute_fast(
-    shard_to_ranks: Dict[T, Sequence[int]],
-    shard_to_size: Dict[T, Any],
-    num_ranks: int,
-    cross_parallelization_group_loads: Optional[Iterable[T]],
-) -> Dict[T, int]:
-    """:func:`distribute_shards_to_ranks` after the argument check (the reference for exotic input)."""
-    n = len(shard_to_ranks)
-    if n == 0:
-        return {}
-    cross_set = cross_parallelization_group_loads or ()
-    ids = list(shard_to_ranks)
-    holders = list(shard_to_ranks.values())
-    try:
-        cov = torch.frombuffer(array("q", map(len, holders)), dtype=torch.int64)
-    except TypeError:  # iterators without len(): materialise once
-        holders = [tuple(h) for h in holders]
-        cov = torch.frombuffer(array("q", map(len, holders)), dtype=torch.int64)
-    # Same key order in both dicts (the usual case) lets us skip n hash lookups.
-    if len(shard_to_size) == n and list(shard_to_size) == ids:
-        size_list = list(shard_to_size.values())
-    else:
-        try:
-            size_list = [shard_to_size[k] for k in ids]
-        except KeyError as e:
-            raise CheckpointError(
-                f"shard_to_size has no size for shard {e.args[0]!r}; every key of shard_to_ranks "
-                "needs a size in bytes."
-            ) from None
-    sizes = _int64_tensor(size_list)
-    R = num_ranks
-    if (sizes is None or int(cov.min()) == 0 or int(sizes.min()) < 0
-            or int(sizes.max()) * max(R, n) >= 1 << 62):
-        # Exotic input (float / negative / huge sizes, a shard with no holder): the plain rule decides.
-        return _distribute_reference(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
-    cross = None
-    if cross_set:
-        if not isinstance(cross_set, (set, frozenset, dict)):
-            cross_set = set(cross_set)
-        cross = torch.frombuffer(array("b", [k in cross_set for k in ids]), dtype=torch.bool)
-        if not bool(cross.any()):
-            cross = None
-    order, order_t = _greedy_order(cov, sizes, cross, ids)
-    try:
-        ranks = _assign(order, order_t, holders, cov, sizes, R)
-    except (IndexError, TypeError):
-        ranks = None  # a holder far outside the group or not an int: let the reference explain
-    if ranks is None:
-        return _distribute_reference(shard_to_ranks, shard_to_size, num_ranks, cross_parallelization_group_loads)
-    # Built in input order: the ids stay in memory order, which makes hashing them ~3x cheaper than
-    # in assignment order (Megatron's dict order); the mapping itself is the same.
-    by_input = torch.empty(n, dtype=torch.int64)
-    by_input[order_t] = ranks
-    return dict(zip(ids, by_input.tolist()))
-
-
-def _assign(
-    order: List[int],
-    order_t: torch.Tensor,
-    holders: List[Sequence[int]],
-    cov: torch.Tensor,
-    sizes: torch.Tensor,
-    R: int,
-) -> Optional[torch.Tensor]:
-    """Run the greedy over ``order``; returns the rank per position or None if a holder set is invalid.
-
-    Loads are kept as ``enc[r] = load[r] * R + r``: one integer comparison orders by (load, rank).
-    ``order`` has, per cross-flag segment, the one-holder shards first (no choice: added in bulk),
-    then holder counts ascending, which picks the cheapest search per stretch of shards:
-
-    * few holders: ``min(map(enc.__getitem__, holders))``, O(holders), unrolled for 2 and 3 holders.
-      Slots ``R .. 3R-1`` of ``enc`` hold a sentinel, so out-of-group holders (``-2R <= r < 3R``) never
-      win while a real one exists.
-    * many holders (>= max(16, R/10)): keep all ranks sorted by (load, rank) and walk that list to the
-      first holder, O(R / holders) steps expected, then move the rank to its new place by bisection.
-      No per-holder-set state, so it costs the same whether sets repeat (replicas) or are all distinct.
-    """
-    n = len(order)
-    cov_s = cov[order_t]
-    sizes_s = sizes[order_t]
-    scaled = (sizes_s * R).tolist()  # size * R: adding it to enc[r] adds size to load[r]
-    hs = operator.itemgetter(*order)(holders) if n > 1 else (holders[order[0]],)
-    enc = list(range(R)) + [_SENTINEL] * (2 * R)
-    out: List[Any] = [None] * n
-
-    single_t = cov_s == 1
-    many_t = cov_s >= max(_WALK_MIN_HOLDERS, -(-R // 10))
-    # Stretches of one kind: single holder (-1), walk (-2), or a scan over exactly k holders (k).
-    kind = torch.where(single_t, -1, torch.where(many_t, -2, cov_s))
-    bounds = [0, *(torch.nonzero(torch.diff(kind)).view(-1) + 1).tolist(), n]
-    kinds = kind[bounds[:-1]].tolist()  # one entry per stretch
-    g = enc.__getitem__
-    for a, b, k in zip(bounds[:-1], bounds[1:], kinds):
-        if k == -1:  # one holder each: no choice, add the sizes per rank in bulk
-            firsts = _int64_tensor(next(iter(h)) for h in hs[a:b])
-            if firsts is None or int(firsts.min()) < 0 or int(firsts.max()) >= R:
-                return None
-            totals = torch.zeros(R, dtype=torch.int64).index_add_(0, firsts, sizes_s[a:b])
-            for r, t in enumerate(totals.tolist()):
-                if t:
-                    enc[r] += t * R
-            out[a:b] = firsts.tolist()
-            continue
-        seg: List[Any] = []
-        app = seg.append
-        if k == -2:
-            ranked = sorted(enc[:R])  # enc values ascending = ranks in (load, rank) order
-            for h, sz in zip(hs[a:b], scaled[a:b]):
-                i = 0
-                v = ranked[0]
-                while v % R not in h:  # IndexError past the end: no holder in the group
-                    i += 1
-                    v = ranked[i]
-                del ranked[i]
-                insort(ranked, v + sz)  # sz is a multiple of R: the rank stays v % R
-                app(v % R)
-            for v in ranked:
-                enc[v % R] = v
-        elif k == 2:  # the commonest small cases, unrolled (2.4x / 1.7x faster than min(map(...)))
-            for (x, y), sz in zip(hs[a:b], scaled[a:b]):
-                vx = enc[x]
-                vy = enc[y]
-                if vx < vy:
-                    enc[x] = vx + sz
-                    app(x)
-                else:
-                    enc[y] = vy + sz
-                    app(y)
-        elif k == 3:
-            for (x, y, z), sz in zip(hs[a:b], scaled[a:b]):
-                v = min(enc[x], enc[y], enc[z])
-                r = v % R
-                enc[r] = v + sz
-                app(r)
-        else:
-            for h, sz in zip(hs[a:b], scaled[a:b]):
-                v = min(map(g, h))  # (load, rank) of the best holder in one int; cheaper than key=
-                r = v % R
-                enc[r] = v + sz
-                app(r)
-        out[a:b] = seg
-    if max(enc[:R]) >= _SENTINEL:
-        return None  # some shard had no holder inside the group (its minimum was a sentinel slot)
-    ranks = _int64_tensor(out)
-    if ranks is None or int(ranks.min()) < 0 or int(ranks.max()) >= R:
-        return None  # ... or, with two holders, both were outside it
-    return ranks
-
 
 # --------------------------------------------------------------------------------------------------
 # metadata exchange
@@ -457,17 +98,17 @@ def determine_main_replica_uniform_distribution(
     all_shards: List[Optional[List[ShardedTensor]]] = [None] * group_size
     dist.all_gather_object(all_shards, local, group=group)
 
-    shard_to_ranks: Dict[_ShardId, List[int]] = defaultdict(list)
-    shard_to_size: Dict[_ShardId, int] = {}
-    shard_to_metadata: Dict[_ShardId, ShardedTensor] = {}
-    has_main: Set[_ShardId] = set()
-    has_other: Set[_ShardId] = set()
+    shard_to_ranks: Dict[ShardId, List[int]] = defaultdict(list)
+    shard_to_size: Dict[ShardId, int] = {}
+    shard_to_metadata: Dict[ShardId, ShardedTensor] = {}
+    has_main: Set[ShardId] = set()
+    has_other: Set[ShardId] = set()
     for rank, rank_shards in enumerate(all_shards):
         for sh in rank_shards:
-            sid = _sharded_tensor_shard_id(sh)
+            sid = sharded_tensor_shard_id(sh)
             shard_to_ranks[sid].append(rank)
             if sid not in shard_to_size:
-                shard_to_size[sid] = _shard_size(sh)
+                shard_to_size[sid] = shard_size(sh)
                 shard_to_metadata[sid] = sh
             (has_main if is_main_replica(sh.replica_id) else has_other).add(sid)
     # Main replicas always; other replicas only when loading (ignore_groups), and those go last.
@@ -506,7 +147,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _dequantized(shard_id: _ShardId, tensor: torch.Tensor, loaded: Dict[_ShardId, torch.Tensor]) -> torch.Tensor:
+def _dequantized(shard_id: ShardId, tensor: torch.Tensor, loaded: Dict[ShardId, torch.Tensor]) -> torch.Tensor:
     # TransformerEngine FP8 tensors travel in their nominal dtype (what the metadata says).
     if not is_float8tensor(tensor):
         return tensor
@@ -519,10 +160,10 @@ def _dequantized(shard_id: _ShardId, tensor: torch.Tensor, loaded: Dict[_ShardId
 
 
 def _get_empty_tensor_for_exchange(
-    shard_id: _ShardId,
-    needed_shards: Dict[_ShardId, ShardedTensor],
-    unneeded_shards: Dict[_ShardId, ShardedTensor],
-    loaded_tensors: Dict[_ShardId, torch.Tensor],
+    shard_id: ShardId,
+    needed_shards: Dict[ShardId, ShardedTensor],
+    unneeded_shards: Dict[ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor],
     device: Optional[torch.device] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.device]]:
     """Receive buffer for ``shard_id`` on the communication device.
@@ -554,8 +195,8 @@ def _get_empty_tensor_for_exchange(
     return tensor, orig_device
 
 
-def _finish(shard_id: _ShardId, buf: torch.Tensor, needed_shards: Dict[_ShardId, ShardedTensor],
-            loaded: Dict[_ShardId, torch.Tensor]) -> None:
+def _finish(shard_id: ShardId, buf: torch.Tensor, needed_shards: Dict[ShardId, ShardedTensor],
+            loaded: Dict[ShardId, torch.Tensor]) -> None:
     """Put a received buffer where the caller wants it: into the needed shard's own ``data`` if any."""
     sh = needed_shards.get(shard_id)
     if sh is None:
@@ -580,7 +221,7 @@ def _check_single_holder(shard_id, rank, holders) -> bool:
     return True
 
 
-def _send_tensor(shard_id, loaded: Dict[_ShardId, torch.Tensor], meta: ShardedTensor, device) -> torch.Tensor:
+def _send_tensor(shard_id, loaded: Dict[ShardId, torch.Tensor], meta: ShardedTensor, device) -> torch.Tensor:
     if shard_id not in loaded:
         raise CheckpointError(
             f"this rank is the loading rank of shard {shard_id!r} but loaded_tensors has no entry for it; "
@@ -600,13 +241,36 @@ def _group_and_rank(parallelization_group):
     return group, dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
+class _Exchange(NamedTuple):
+    """What a tensor exchange starts from."""
+
+    sends: List[Tuple[ShardId, int]]  # (shard id, loading rank) of every shard with bytes that several ranks need
+    metadata: Dict[ShardId, ShardedTensor]
+    group: Any
+    rank: int  # in the group
+    world: int
+    device: torch.device
+    loaded: Dict[ShardId, torch.Tensor]  # the result: loaded_tensors, then every received shard
+
+
+def _start_exchange(caller: str, loaded_tensors: Dict[ShardId, torch.Tensor],
+                    shard_distribution: Optional[ShardDistribution], parallelization_group) -> _Exchange:
+    if shard_distribution is None:
+        raise CheckpointError(f"{caller} needs a shard_distribution (got None).")
+    main_rank_for_shard, _, shard_to_metadata, all_ranks_for_shard = shard_distribution
+    sends = [(sid, rank) for sid, rank in main_rank_for_shard.items()
+             if not _check_single_holder(sid, rank, all_ranks_for_shard[sid]) and shard_size(shard_to_metadata[sid]) != 0]
+    group, rank, world = _group_and_rank(parallelization_group)
+    return _Exchange(sends, shard_to_metadata, group, rank, world, _comm_device(group), dict(loaded_tensors))
+
+
 @torch.no_grad()
 def exchange_loaded_tensors_gather_rounds(
-    loaded_tensors: Dict[_ShardId, torch.Tensor],
-    unloaded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor],
+    unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: Optional[ShardDistribution] = None,
     parallelization_group: Optional[dist.ProcessGroup] = None,
-) -> Dict[_ShardId, torch.Tensor]:
+) -> Dict[ShardId, torch.Tensor]:
     """Exchange loaded shards in rounds of ``all_gather``: round ``i`` carries every rank's ``i``-th shard.
 
     Each rank's shards (those needed by more than one rank) are sorted by size, largest first, so a
@@ -623,23 +287,16 @@ def exchange_loaded_tensors_gather_rounds(
     Returns:
         ``loaded_tensors`` plus every shard of ``unloaded_shards``.
     """
-    if shard_distribution is None:
-        raise CheckpointError("exchange_loaded_tensors_gather_rounds needs a shard_distribution (got None).")
-    main_rank_for_shard, _, shard_to_metadata, all_ranks_for_shard = shard_distribution
-    group, local_rank, world = _group_and_rank(parallelization_group)
-    device = _comm_device(group)
-    all_loaded = dict(loaded_tensors)
-
-    by_rank: List[List[_ShardId]] = [[] for _ in range(world)]
-    for sid, rank in main_rank_for_shard.items():
-        if _check_single_holder(sid, rank, all_ranks_for_shard[sid]) or _shard_size(shard_to_metadata[sid]) == 0:
-            continue
+    sends, shard_to_metadata, group, local_rank, world, device, all_loaded = _start_exchange(
+        "exchange_loaded_tensors_gather_rounds", loaded_tensors, shard_distribution, parallelization_group)
+    by_rank: List[List[ShardId]] = [[] for _ in range(world)]
+    for sid, rank in sends:
         by_rank[rank].append(sid)
     for lst in by_rank:  # stable: equal sizes keep the (deterministic) distribution order
-        lst.sort(key=lambda s: -_shard_size(shard_to_metadata[s]))
+        lst.sort(key=lambda s: -shard_size(shard_to_metadata[s]))
 
     for round_ids in zip_longest(*by_rank, fillvalue=None):
-        nbytes = [0 if s is None else _shard_size(shard_to_metadata[s]) for s in round_ids]
+        nbytes = [0 if s is None else shard_size(shard_to_metadata[s]) for s in round_ids]
         width = max(nbytes)
         mine = round_ids[local_rank]
         send = torch.zeros(width, dtype=torch.uint8, device=device)
@@ -657,7 +314,7 @@ def exchange_loaded_tensors_gather_rounds(
     return all_loaded
 
 
-def _fill_empty(unloaded_shards: Dict[_ShardId, ShardedTensor], loaded: Dict[_ShardId, torch.Tensor], device) -> None:
+def _fill_empty(unloaded_shards: Dict[ShardId, ShardedTensor], loaded: Dict[ShardId, torch.Tensor], device) -> None:
     """Zero-byte shards need no communication but still belong in the result."""
     for sid, sh in unloaded_shards.items():
         if sid not in loaded and sh.numel == 0:
@@ -666,11 +323,11 @@ def _fill_empty(unloaded_shards: Dict[_ShardId, ShardedTensor], loaded: Dict[_Sh
 
 
 def exchange_loaded_tensors_gather_object(
-    loaded_tensors: Dict[_ShardId, torch.Tensor],
-    unloaded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor],
+    unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: Optional[ShardDistribution] = None,
     parallelization_group: Optional[dist.ProcessGroup] = None,
-) -> Dict[_ShardId, torch.Tensor]:
+) -> Dict[ShardId, torch.Tensor]:
     """Exchange loaded shards with one ``all_gather_object`` (pickles tensors; for debugging).
 
     Tensors are sent from CPU. Shards this rank needs land in their ShardedTensor's ``data`` if set,
@@ -685,10 +342,10 @@ def exchange_loaded_tensors_gather_object(
     group, _, world = _group_and_rank(parallelization_group)
     device = _comm_device(group)
     payload = {sid: _dequantized(sid, t, {}).detach().cpu() for sid, t in loaded_tensors.items()}
-    gathered: List[Optional[Dict[_ShardId, torch.Tensor]]] = [None] * world
+    gathered: List[Optional[Dict[ShardId, torch.Tensor]]] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     merged = _merge_unique(gathered)
-    out: Dict[_ShardId, torch.Tensor] = {}
+    out: Dict[ShardId, torch.Tensor] = {}
     for sid, t in merged.items():
         if sid in loaded_tensors:
             out[sid] = loaded_tensors[sid]
@@ -721,27 +378,27 @@ def _merge_unique(dicts: List[Optional[Dict[Any, Any]]]) -> Dict[Any, Any]:
 
 
 def exchange_loaded_objects_gather_object(
-    loaded_objects: Dict[_ShardId, Any],
+    loaded_objects: Dict[ShardId, Any],
     parallelization_group: Optional[dist.ProcessGroup] = None,
-) -> Dict[_ShardId, Any]:
+) -> Dict[ShardId, Any]:
     """Merge every rank's ``{shard id: object}`` with one ``all_gather_object`` (default: whole world).
 
     Raises:
         CheckpointError: two ranks loaded the same id.
     """
     group, _, world = _group_and_rank(parallelization_group)
-    gathered: List[Optional[Dict[_ShardId, Any]]] = [None] * world
+    gathered: List[Optional[Dict[ShardId, Any]]] = [None] * world
     dist.all_gather_object(gathered, loaded_objects, group=group)
     return _merge_unique(gathered)
 
 
 @torch.no_grad()
 def exchange_loaded_tensors_broadcast(
-    loaded_tensors: Dict[_ShardId, torch.Tensor],
-    unloaded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor],
+    unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: ShardDistribution,
     parallelization_group: Optional[dist.ProcessGroup] = None,
-) -> Dict[_ShardId, torch.Tensor]:
+) -> Dict[ShardId, torch.Tensor]:
     """Exchange loaded shards with one ``broadcast`` per shard from its loading rank to the group.
 
     Shards needed by a single rank (the one that loaded them) and zero-byte shards are skipped.
@@ -751,15 +408,9 @@ def exchange_loaded_tensors_broadcast(
     Returns:
         ``loaded_tensors`` plus every shard of ``unloaded_shards``.
     """
-    if shard_distribution is None:
-        raise CheckpointError("exchange_loaded_tensors_broadcast needs a shard_distribution (got None).")
-    main_rank_for_shard, _, shard_to_metadata, all_ranks_for_shard = shard_distribution
-    group, local_rank, _ = _group_and_rank(parallelization_group)
-    device = _comm_device(group)
-    all_loaded = dict(loaded_tensors)
-    for sid, rank in main_rank_for_shard.items():
-        if _check_single_holder(sid, rank, all_ranks_for_shard[sid]) or _shard_size(shard_to_metadata[sid]) == 0:
-            continue
+    sends, shard_to_metadata, group, local_rank, _, device, all_loaded = _start_exchange(
+        "exchange_loaded_tensors_broadcast", loaded_tensors, shard_distribution, parallelization_group)
+    for sid, rank in sends:
         if rank == local_rank:
             buf = _send_tensor(sid, all_loaded, shard_to_metadata[sid], device)
         else:
@@ -772,12 +423,12 @@ def exchange_loaded_tensors_broadcast(
 
 
 def exchange_by_distribution(
-    loaded_tensors: Dict[_ShardId, torch.Tensor],
-    unloaded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor],
+    unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: ShardDistribution,
     parallelization_group: Optional[dist.ProcessGroup] = None,
     exchange_algo: str = "broadcast",
-) -> Dict[_ShardId, torch.Tensor]:
+) -> Dict[ShardId, torch.Tensor]:
     """Exchange loaded shards with ``exchange_algo``: ``"broadcast"`` (default), ``"gather_rounds"``
     or ``"gather_object"``. See the individual functions; all return ``loaded_tensors`` plus every
     shard this rank needs."""

@@ -6,7 +6,7 @@ copy is the *main* replica (``replica_id`` 0) or one of several identical copies
 Megatron-LM's ``dist_checkpointing.mapping.ShardedTensor`` so code written against Megatron reads the
 same. Two shards are the same data iff their shard ids are equal::
 
-    _sharded_tensor_shard_id(sh) == (key, global_offset, flattened_range as (start, stop) or None)
+    sharded_tensor_shard_id(sh) == (key, global_offset, flattened_range as (start, stop) or None)
 
 :func:`sharded_state_dict_from_dtensors` describes a DTensor state dict in these terms, with the local
 shape and offset taken from DTensor itself.
@@ -26,10 +26,12 @@ __all__ = [
     "ReplicaId",
     "ShardedStateDict",
     "ShardedTensor",
+    "ShardId",
     "_ShardId",
     "_sharded_tensor_shard_id",
     "is_main_replica",
     "nested_values",
+    "sharded_tensor_shard_id",
     "sharded_tensor_from_dtensor",
     "sharded_state_dict_from_dtensors",
 ]
@@ -38,8 +40,9 @@ ReplicaId = Union[int, Tuple[int, ...]]
 """0 (or all zeros) marks the main replica, the one copy that is saved."""
 ShardedStateDict = Dict[str, Any]
 """A (nested) state dict whose tensors are replaced by :class:`ShardedTensor` records."""
-_ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
+ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
 """``(key, global_offset, (flat_start, flat_stop) or None)``: equal ids mean the same data."""
+_ShardId = ShardId  # Megatron's (private) name
 
 
 @dataclass
@@ -210,13 +213,16 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return all(r == 0 for r in replica_id)
 
 
-def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+def sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> ShardId:
     """Identity of a shard's data: ``(key, global_offset, (start, stop) or None)``.
 
     Equal on every rank that holds a replica of the same data, so it can key cross-rank maps.
     """
     fr = sharded_tensor.flattened_range
     return (sharded_tensor.key, sharded_tensor.global_offset, None if fr is None else (fr.start, fr.stop))
+
+
+_sharded_tensor_shard_id = sharded_tensor_shard_id  # Megatron's (private) name
 
 
 def nested_values(x: Any) -> Iterator[Any]:

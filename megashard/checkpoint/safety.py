@@ -16,42 +16,36 @@ Rules: a directory counts as a checkpoint only if its name is ``step_<digits>`` 
 readable marker. The marker is written (and fsynced) inside the temporary directory, which is then
 renamed to its final name in one ``os.rename`` and the root directory fsynced; so a reader sees either
 nothing or the whole checkpoint. The marker records every file's size and checksum and, for data files,
-the checksum of every DCP storage item in them; readers check sizes first and checksums as they read
-(:mod:`megashard.checkpoint.storage`): a truncated or altered file raises
-:class:`~megashard.errors.CheckpointCorruptedError` naming it, never a wrong tensor.
+the checksum of every DCP storage item in them (:mod:`megashard.checkpoint.checksums`); readers check
+sizes first and checksums as they read (:mod:`megashard.checkpoint.storage`): a truncated or altered
+file raises :class:`~megashard.errors.CheckpointCorruptedError` naming it, never a wrong tensor.
 
-This module is pure file handling (no torch.distributed); :mod:`megashard.checkpoint.dcp` decides
-which rank does what.
+This module is pure file handling (no torch.distributed); :mod:`megashard.checkpoint.saving` and
+:mod:`megashard.checkpoint.loading` decide which rank does what.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
+from megashard.checkpoint import checksums
 from megashard.errors import CheckpointCorruptedError, CheckpointError, CheckpointNotFoundError
 
 __all__ = [
-    "CHECKSUM_ALGORITHMS",
     "CheckpointEntry",
     "LAYOUT_FILE",
     "MARKER_FILE",
     "Marker",
     "apply_retention",
-    "bytes_checksum",
     "checkpoint_dirname",
     "cleanup_stale",
     "commit_checkpoint",
-    "file_checksum",
-    "file_record",
     "list_checkpoints",
-    "new_digest",
     "latest_checkpoint",
     "read_marker",
     "resolve_checkpoint",
@@ -68,100 +62,6 @@ TRASH_PREFIX = ".trash-"
 FORMAT = "megashard-checkpoint"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 8 << 20  # bytes read per hash update
-
-
-class _Crc32:
-    """zlib's CRC-32 with hashlib's ``update`` / ``hexdigest`` interface (``zlib.crc32`` releases the GIL)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-# CRC-32 of a concatenation from the CRCs of its parts (zlib's crc32_combine, which Python's zlib does not
-# expose): polynomial arithmetic modulo the CRC-32 polynomial, reflected bit order as in zlib.
-_CRC_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo p(x), both 32-bit reflected polynomials."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]  # x^(2^k) modulo p(x), k = 0..31
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-_X8N_CACHE: dict[int, int] = {}
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``."""
-    op = _X8N_CACHE.get(len2)
-    if op is None:  # x^(8 * len2) modulo p(x); lengths repeat (same-shaped shards), so cache them
-        op, n, k = 1 << 31, len2, 3
-        while n:
-            if n & 1:
-                op = _multmodp(_X2N[k & 31], op)
-            n >>= 1
-            k += 1
-        if len(_X8N_CACHE) < 4096:
-            _X8N_CACHE[len2] = op
-    return _multmodp(op, crc1) ^ crc2
-
-
-def new_digest(algorithm: str):
-    """A running digest of ``algorithm`` (``update(bytes)``, ``hexdigest()``)."""
-    _check_algorithm(algorithm)
-    return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
-
-
-def bytes_checksum(data, algorithm: str = "crc32") -> str:
-    """Hex digest of a bytes-like object (what the marker records for a file or one DCP storage item)."""
-    d = new_digest(algorithm)
-    d.update(data)
-    return d.hexdigest()
-
-
-def _file_digest(algorithm: str) -> Callable[[str], str]:
-    def digest(path: str) -> str:
-        d = new_digest(algorithm)
-        with open(path, "rb") as f:
-            while True:
-                buf = f.read(_CHUNK)
-                if not buf:
-                    break
-                d.update(buf)
-        return d.hexdigest()
-
-    return digest
-
-
-#: name -> function(path) -> hex digest. crc32 (default) is the fastest and catches truncation and bit
-#: flips; sha256 is a cryptographic digest, e.g. to compare with digests kept outside the checkpoint.
-CHECKSUM_ALGORITHMS: dict[str, Callable[[str], str]] = {
-    "sha256": _file_digest("sha256"),
-    "crc32": _file_digest("crc32"),
-}
-
-
-def _check_algorithm(algorithm: str) -> None:
-    if algorithm not in CHECKSUM_ALGORITHMS:
-        raise CheckpointError(
-            f"checksum algorithm {algorithm!r} is not supported; use one of {sorted(CHECKSUM_ALGORITHMS)}"
-        )
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -170,24 +70,6 @@ def checkpoint_dirname(step: int) -> str:
         raise CheckpointError(f"step must be an int >= 0, got {step!r}")
     return f"step_{step:08d}"
 
-
-def file_checksum(path: str, algorithm: str = "crc32") -> str:
-    """Hex digest of the file at ``path`` (read in 8 MB chunks)."""
-    _check_algorithm(algorithm)
-    return CHECKSUM_ALGORITHMS[algorithm](path)
-
-
-def file_record(path: str, algorithm: str = "crc32") -> dict:
-    """``{"size": bytes, "checksum": hex}`` of one file, as stored in the marker."""
-    return {"size": os.path.getsize(path), "checksum": file_checksum(path, algorithm)}
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:
@@ -256,7 +138,7 @@ def write_marker(ckpt_dir: str, step: int, files: dict, algorithm: str, items: O
     ``files``: relative path -> :func:`file_record`; ``items``: relative path -> ``[(offset, length,
     checksum), ...]`` of the DCP storage items in that file (they must tile it: bytes 0..size, no gap).
     """
-    _check_algorithm(algorithm)
+    checksums.check_algorithm(algorithm)
     records = {}
     for k in sorted(files):
         records[k] = dict(files[k])
@@ -299,7 +181,7 @@ def read_marker(ckpt_dir: str) -> Marker:
                     raise ValueError(f"the items of {name!r} do not cover its {files[name]['size']} bytes")
                 items[name] = table
         algorithm = str(obj["algorithm"])
-        _check_algorithm(algorithm)
+        checksums.check_algorithm(algorithm)
         return Marker(int(obj["step"]), algorithm, files, float(obj.get("created", 0.0)), items)
     except (KeyError, TypeError, ValueError, CheckpointError) as e:
         raise CheckpointCorruptedError(f"completion marker {path} is malformed: {e}") from None
@@ -318,7 +200,7 @@ def _check_one(ckpt_dir: str, name: str, record: dict, algorithm: str, checksum:
         return f"{path}: {kind}: {size} bytes on disk, {record['size']} bytes when the checkpoint was completed"
     if checksum:
         try:
-            actual = file_checksum(path, algorithm)
+            actual = checksums.file_checksum(path, algorithm)
         except OSError as e:
             return f"{path}: cannot be read ({e})"
         if actual != record["checksum"]:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from megashard._compat import dcp_metadata_enum_member, dcp_metadata_global_allowed, dcp_narrow_tensor_by_index
-from megashard.checkpoint import safety
+from megashard.checkpoint import checksums, safety
 from megashard.errors import CheckpointCorruptedError
 
 __all__ = ["ChecksummingFileSystemWriter", "SafeFileSystemReader", "load_dcp_metadata", "DCP_METADATA"]
@@ -95,14 +95,14 @@ class _HashingStream:
     """A write-only file wrapper that hashes each span between two ``tell()`` calls, and the whole file.
 
     With crc32 every byte is hashed once: the file's CRC is combined from the spans' CRCs
-    (:func:`megashard.checkpoint.safety.crc32_combine`); other algorithms keep a second running digest.
+    (:func:`megashard.checkpoint.checksums.crc32_combine`); other algorithms keep a second running digest.
     """
 
     def __init__(self, raw: Any, algorithm: str) -> None:
         self._raw, self._algorithm = raw, algorithm
-        self._file = None if algorithm == "crc32" else safety.new_digest(algorithm)
+        self._file = None if algorithm == "crc32" else checksums.new_digest(algorithm)
         self._file_crc = 0
-        self._item = safety.new_digest(algorithm)
+        self._item = checksums.new_digest(algorithm)
         self._pos = self._start = 0
         self.spans: dict[tuple[int, int], str] = {}  # (offset, length) -> checksum
 
@@ -123,8 +123,8 @@ class _HashingStream:
             length = self._pos - self._start
             self.spans[(self._start, length)] = self._item.hexdigest()
             if self._file is None:
-                self._file_crc = safety.crc32_combine(self._file_crc, self._item.value, length)
-            self._item = safety.new_digest(self._algorithm)
+                self._file_crc = checksums.crc32_combine(self._file_crc, self._item.value, length)
+            self._item = checksums.new_digest(self._algorithm)
             self._start = self._pos
 
     def record(self) -> tuple[dict, dict]:
@@ -190,7 +190,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         files, items = {}, {}
         for name in by_file:  # a file of this rank DCP wrote past the hashing stream: hashed from disk, whole
             if name not in self.fs.records and name.startswith(f"__{rank}_"):
-                files[name] = safety.file_record(os.path.join(str(self.path), name), self.fs.algorithm)
+                files[name] = checksums.file_record(os.path.join(str(self.path), name), self.fs.algorithm)
         for name, (record, spans) in self.fs.records.items():
             files[name] = record
             want = sorted(set(by_file.get(name, ())))
@@ -354,7 +354,7 @@ class SafeFileSystemReader(FileSystemReader):
                 safety.raise_problems(self.ckpt_dir, [f"{path}: truncated: {what} ends at byte {offset + length}, the "
                                                       f"file ends at {offset + got}"])
             expected = self.marker.items[name][(offset, length)]
-            actual = safety.bytes_checksum(view, self.marker.algorithm)
+            actual = checksums.bytes_checksum(view, self.marker.algorithm)
             if actual != expected:
                 safety.raise_problems(self.ckpt_dir, [safety.item_problem(
                     path, what, offset, length, self.marker.algorithm, actual, expected)])

@@ -1,4 +1,4 @@
-"""Save and resume the training job through :mod:`megashard.checkpoint.dcp`.
+"""Save and resume the training job through :func:`megashard.checkpoint.save` / :func:`~megashard.checkpoint.load`.
 
 Every checkpoint is a directory ``<checkpoint dir>/step_<N>`` published atomically (temporary
 directory, completion marker, rename; see :mod:`megashard.checkpoint.safety`), so a run killed while
@@ -60,15 +60,15 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
                     *, consumed_samples: Optional[int] = None, keep: int = 0) -> str:
     """Write the checkpoint of ``step`` under ``root`` (all ranks call); keep the newest ``keep`` (0 = all).
 
-    Uses :func:`megashard.checkpoint.dcp.save`: written to a temporary directory, published by an
+    Uses :func:`megashard.checkpoint.save`: written to a temporary directory, published by an
     atomic rename with a completion marker, so a run killed mid-save leaves the previous checkpoint
     as the newest complete one. Returns the checkpoint directory.
     """
-    from megashard.checkpoint import dcp
+    from megashard import checkpoint
 
-    return dcp.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
-                    consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32",
-                    overwrite=True, parallel_state=state)
+    return checkpoint.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
+                           consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32",
+                           overwrite=True, parallel_state=state)
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
@@ -87,10 +87,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     A checkpoint of another model raises :class:`~megashard.errors.CheckpointError` naming the first
     tensor whose shape differs.
     """
-    from megashard.checkpoint import dcp
+    from megashard import checkpoint
 
     sd = _state_dict(model, optimizer, state, fresh=True)
-    report = dcp.load(path, sections=sd, parallel_state=state, restore_rng=False)
+    report = checkpoint.load(path, sections=sd, parallel_state=state, restore_rng=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local_tensor(p.detach()).copy_(sd["model"][name].to_local())

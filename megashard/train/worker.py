@@ -21,7 +21,7 @@ PEER_LOSS_GRACE_S = 15.0
 def _prints(e: BaseException, mismatch: type) -> bool:
     """Whether this rank prints error ``e``: errors every rank raises alike are printed once — a rank mismatch
     by local rank 0 of each node, an error shared from rank N ("(raised on rank N) ...",
-    :mod:`megashard.checkpoint.dcp`) by rank N only."""
+    :mod:`megashard.checkpoint.collective`) by rank N only."""
     import os
     import re
 
