@@ -302,3 +302,18 @@ def test_gloo_2x2_shard0_shard1_13x15(dist4):
 
 def test_gloo_local_data_equals_index_runs(dist4):
     dist4.assert_ok("check_local_data_equals_index_runs")
+
+
+def test_chunk_arithmetic_and_contiguous_strides_match_torch():
+    """megashard.chunks, which every torch.chunk-style split and every strided view in the package uses."""
+    from megashard.chunks import chunk_bounds, chunk_size, chunk_sizes, contiguous_strides
+
+    for n in range(0, 23):
+        for k in (1, 2, 3, 4, 5, 8):
+            pieces = torch.arange(n).chunk(k)
+            sizes = [p.numel() for p in pieces] + [0] * (k - len(pieces))
+            assert list(chunk_sizes(n, k)) == sizes and chunk_size(n, k) == (sizes[0] if n else 0)
+            starts = [sum(sizes[:i]) for i in range(k)]
+            assert [chunk_bounds(n, k, i) for i in range(k)] == [(a, a + s) for a, s in zip(starts, sizes)]
+    for shape in [(), (5,), (2, 3), (4, 0, 3), (0, 2), (3, 1, 7, 2)]:
+        assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
