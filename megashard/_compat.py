@@ -36,7 +36,7 @@ def torch_local_shape_and_offset_at(global_shape, mesh_shape, coordinate, placem
     return _torch_local_shape_offset_at(global_shape, tuple(mesh_shape), list(coordinate), placements)
 
 
-# --- autograd checkpoint guard (used by megashard.recompute) --------------------------------------
+# --- autograd checkpoint guard (used by megashard.state.recompute) --------------------------------------
 # False while torch.autograd.grad() (rather than .backward()) runs a graph: recompute cannot work then.
 def autograd_checkpoint_valid() -> bool:
     """`torch.autograd._is_checkpoint_valid()`, or True on a torch without it."""

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megashard.random as mr
-import megashard.recompute as mrc
+import megashard.state.recompute as mrc
 from megashard.errors import StateError
-from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
-from megashard.recompute import checkpoint
+from megashard.state.current import current_locals
+from megashard.state.recompute import checkpoint
+from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
 from tests._dist import spawn_checks
 
 SEED = 77
@@ -86,9 +86,9 @@ def assert_bitwise_equal(a, b) -> None:
 
 @pytest.fixture(autouse=True)
 def _clean():
-    mr._reset_for_destroy()
+    current_locals().reset()
     yield
-    mr._reset_for_destroy()
+    current_locals().reset()
 
 
 def test_checkpoint_gradients_bitwise_equal():

@@ -142,6 +142,7 @@ def _check_facade(tp, pp, cp, ep, etp, order="tp-cp-ep-dp-pp", instances=1):
         assert ps.get_context_parallel_global_ranks() == lay.group_of("cp", rank)
         g = ps.get_data_parallel_group_gloo()
         assert R(g) == lay.group_of("dp", rank)
+        assert g is ps.get_data_parallel_group()  # on a gloo job the twin is the group itself
     finally:
         ps.destroy_model_parallel()
     assert not ps.model_parallel_is_initialized()

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
-from megashard.train.config import ModelConfig
 from megashard.train.layers import _all_gather, _reduce_scatter, group_rank, group_size, init_spec, scaled_std
+from megashard.train.sections import ModelConfig
 
 __all__ = ["MoE", "Experts"]
 

@@ -7,6 +7,13 @@ while the default stream outside is left exactly where it was.
 On a CUDA machine the device generator is the current CUDA device's default generator, as in
 Megatron-LM. Without CUDA the same code drives the CPU default generator (``torch.default_generator``)
 with identical semantics, so everything here runs and is tested on CPU.
+
+The tracker that :func:`get_cuda_rng_tracker` returns (Megatron's "global" tracker) belongs to the current
+:class:`~megashard.state.ParallelState` (``state.locals.rng_tracker``), so two states keep two trackers. Without a
+current state — before ``initialize()``, e.g. a single-process test, or after ``destroy()`` — it is the process's
+detached tracker (:func:`megashard.state.current.current_locals`), which ``initialize()`` hands over to the state
+it creates: a tracker seeded before ``initialize()`` keeps its streams.
+(This module was ``megashard.random``; renamed so it does not shadow the standard library's ``random``.)
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megashard.errors import ConfigError, RNGTrackerError, StateError
+from megashard.state import current as _current
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -270,7 +278,7 @@ CudaRNGStatesTracker = RNGStatesTracker  # Megatron-LM's name
 
 def _te_tracker_class() -> type:
     """TransformerEngine's tracker with Megatron's extras (is_initialized, inference no-ops, our errors)."""
-    from megashard.te import get_te_version, is_te_min_version, require_te
+    from megashard.state.te import get_te_version, is_te_min_version, require_te
 
     te_pytorch = require_te("use_te_rng_tracker=True")
     if not is_te_min_version("1.5.0"):
@@ -323,32 +331,28 @@ def _te_tracker_class() -> type:
     return TECudaRNGStatesTracker
 
 
-# --------------------------------------------------------------------------- the global tracker
-_RNG_TRACKER: Optional[Any] = None
-_RNG_TRACKER_FLAGS: Optional[tuple[bool, bool, bool]] = None
-
-
+# --------------------------------------------------------------------------- the current state's tracker
 def initialize_rng_tracker(
     use_te_rng_tracker: bool = False,
     inference_rng_tracker: bool = False,
     use_cudagraphable_rng: bool = False,
     force_reset: bool = False,
 ) -> None:
-    """Create the global RNG tracker once.
+    """Create the current state's RNG tracker (Megatron's global tracker) once.
 
     ``use_te_rng_tracker=True`` uses TransformerEngine's cudagraph-safe tracker (raises
     :class:`~megashard.errors.TransformerEngineMissingError` without TE); ``inference_rng_tracker=True``
     makes ``add``/``fork``/``set_states`` no-ops. A later call with different flags warns and keeps
     the existing tracker unless ``force_reset=True``, which replaces it (its streams are lost).
     """
-    global _RNG_TRACKER, _RNG_TRACKER_FLAGS
+    owner = _current.current_locals()
     flags = (bool(use_te_rng_tracker), bool(inference_rng_tracker), bool(use_cudagraphable_rng))
     if force_reset:
-        _RNG_TRACKER, _RNG_TRACKER_FLAGS = None, None
-    if _RNG_TRACKER is not None:
-        if flags != _RNG_TRACKER_FLAGS:
+        owner.rng_tracker, owner.rng_tracker_flags = None, None
+    if owner.rng_tracker is not None:
+        if flags != owner.rng_tracker_flags:
             warnings.warn(
-                f"RNG tracker already initialised with {_describe_flags(_RNG_TRACKER_FLAGS)}; the request for "
+                f"RNG tracker already initialised with {_describe_flags(owner.rng_tracker_flags)}; the request for "
                 f"{_describe_flags(flags)} is ignored. Pass force_reset=True to replace the tracker "
                 "(its streams are lost, reseed afterwards).",
                 stacklevel=2,
@@ -358,7 +362,7 @@ def initialize_rng_tracker(
         tracker = _te_tracker_class()(is_inference_rng_tracker=inference_rng_tracker)
     else:
         tracker = RNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng, is_inference_rng_tracker=inference_rng_tracker)
-    _RNG_TRACKER, _RNG_TRACKER_FLAGS = tracker, flags
+    owner.rng_tracker, owner.rng_tracker_flags = tracker, flags
 
 
 def _describe_flags(flags: Optional[tuple[bool, bool, bool]]) -> str:
@@ -371,14 +375,16 @@ def get_cuda_rng_tracker(
     inference_rng_tracker: bool = False,
     use_cudagraphable_rng: bool = False,
 ) -> Any:
-    """Return the global RNG tracker, creating it with these flags if needed.
+    """Return the current state's RNG tracker (before ``initialize()``: the process's), creating it with these
+    flags if needed.
 
     Called with no flags (the usual ``get_cuda_rng_tracker().fork()``) it returns the existing tracker
     whatever it was created with; explicit flags that differ from the existing tracker's warn.
     """
-    if _RNG_TRACKER is None or use_te_rng_tracker or inference_rng_tracker or use_cudagraphable_rng:
+    owner = _current.current_locals()
+    if owner.rng_tracker is None or use_te_rng_tracker or inference_rng_tracker or use_cudagraphable_rng:
         initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
-    return _RNG_TRACKER
+    return owner.rng_tracker
 
 
 get_rng_tracker = get_cuda_rng_tracker  # device-neutral name
@@ -428,10 +434,8 @@ def _ranks_from_state() -> tuple[int, int, int]:
     import torch.distributed as dist
 
     try:
-        from megashard.state import get_parallel_state
-
-        st = get_parallel_state()
-    except (ImportError, StateError) as exc:
+        st = _current.get_parallel_state()
+    except StateError as exc:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise StateError(
                 "model_parallel_manual_seed needs this rank's tp/ep/expt_tp ranks: call "
@@ -494,9 +498,3 @@ def model_parallel_cuda_manual_seed(
     return model_parallel_manual_seed(
         seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, tp_rank, ep_rank, etp_rank, force_reset_rng
     )
-
-
-def _reset_for_destroy() -> None:
-    """Drop the global tracker (called by ``megashard.state.destroy()``); the next use creates a fresh one."""
-    global _RNG_TRACKER, _RNG_TRACKER_FLAGS
-    _RNG_TRACKER, _RNG_TRACKER_FLAGS = None, None
