@@ -221,9 +221,53 @@ def check_fsdp_index(rank, world_size):
             ms.destroy()
 
 
+def check_two_states_own_their_per_layout_state(rank, world_size):
+    """Each ParallelState owns its RNG tracker, memory buffer and virtual-pipeline rank; the module functions use
+    the current state's, and a tracker set up before initialize() moves into the state initialize() makes."""
+    import megashard.parallel_state as ps
+    import megashard.state as ms
+    from megashard.config import ParallelConfig
+    from megashard.state.memory import get_global_memory_buffer
+    from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
+
+    def draw(seed_stream: str) -> torch.Tensor:
+        with get_cuda_rng_tracker().fork(seed_stream):
+            return torch.rand(4)
+
+    def fresh(seed: int) -> torch.Tensor:
+        return torch.rand(4, generator=torch.Generator().manual_seed(seed))
+
+    early = get_cuda_rng_tracker()  # before initialize(): the process's detached tracker
+    a = ms.initialize(ParallelConfig(tp=2))
+    try:
+        assert get_cuda_rng_tracker() is early is a.locals.rng_tracker
+        model_parallel_manual_seed(100)
+        buf_a = get_global_memory_buffer()
+        assert buf_a is a.locals.memory_buffer
+        ps.set_virtual_pipeline_model_parallel_rank(1)
+        b = ms.ParallelState(ParallelConfig(pp=2))  # a second state next to the current one
+        prev = ms.set_parallel_state(b)
+        assert prev is a
+        assert get_cuda_rng_tracker() is not early and not get_cuda_rng_tracker().is_initialized()
+        assert get_global_memory_buffer() is not buf_a and ps.get_virtual_pipeline_model_parallel_rank() is None
+        model_parallel_manual_seed(200)  # b's tracker, b's tp rank (tp=1: 0)
+        assert torch.equal(draw("model-parallel-rng"), fresh(200 + 2718))
+        ms.set_parallel_state(a)
+        # a's streams were untouched by b's seeding: its model-parallel stream starts at seed + 2718 + tp_rank.
+        assert torch.equal(draw("model-parallel-rng"), fresh(100 + 2718 + rank % 2))
+        assert get_global_memory_buffer() is buf_a and ps.get_virtual_pipeline_model_parallel_rank() == 1
+        b.destroy()
+        assert b.locals.rng_tracker is None and a.locals.rng_tracker is early  # one state's teardown only
+    finally:
+        ms.destroy()
+    assert a.locals.rng_tracker is None and ps.get_virtual_pipeline_model_parallel_rank() is None
+    assert get_cuda_rng_tracker() is not early and not get_cuda_rng_tracker().is_initialized()
+
+
 @pytest.fixture(scope="module")
 def world4():
-    return spawn_checks([check_uninitialised_errors, check_state_world4, check_facade_world4, check_fsdp_index], world_size=4)
+    return spawn_checks([check_uninitialised_errors, check_state_world4, check_facade_world4, check_fsdp_index,
+                         check_two_states_own_their_per_layout_state], world_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +285,10 @@ def test_state_groups_meshes_world4(world4):
 
 def test_megatron_facade_world4(world4):
     world4.assert_ok("check_facade_world4")
+
+
+def test_two_states_own_their_per_layout_state(world4):
+    world4.assert_ok("check_two_states_own_their_per_layout_state")
 
 
 def test_fsdp_index_world4(world4):
