@@ -18,6 +18,15 @@ def _span(dims: Iterable[tuple[int, int]]) -> list[int]:
     return offs
 
 
+def _index(rank: int, dims: Iterable[tuple[int, int]]) -> int:
+    """``rank``'s coordinates on ``(size, stride)`` dims read as one mixed-radix number, first dim fastest."""
+    idx, mult = 0, 1
+    for size, stride in dims:
+        idx += ((rank // stride) % size) * mult
+        mult *= size
+    return idx
+
+
 class RankGrid:
     """A mixed-radix rank grid: named axes listed fastest first; a rank is ``Σ coord_k · stride_k``.
 
@@ -60,21 +69,11 @@ class RankGrid:
 
     def rank_in(self, axes: Iterable[str], rank: int) -> int:
         """Index of ``rank`` inside its group spanning ``axes``."""
-        masked, _ = self.split(axes)
-        idx, mult = 0, 1
-        for s, d in masked:
-            idx += ((rank // d) % s) * mult
-            mult *= s
-        return idx
+        return _index(rank, self.split(axes)[0])
 
     def group_index(self, axes: Iterable[str], rank: int) -> int:
         """Which of :meth:`groups` (``axes``) holds ``rank``."""
-        _, rest = self.split(axes)
-        idx, mult = 0, 1
-        for s, d in rest:
-            idx += ((rank // d) % s) * mult
-            mult *= s
-        return idx
+        return _index(rank, self.split(axes)[1])
 
     def rank_at(self, coords: dict[str, int]) -> int:
         """The rank at ``coords`` (missing axes: 0)."""

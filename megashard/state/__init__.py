@@ -8,9 +8,9 @@ Modules, in the order a state is built: ``devices`` (which device and backend; t
 ``agreement`` (every rank runs the same config), ``pool`` (communicators, shared by all states of a process),
 ``core`` (:class:`ParallelState`: groups and gloo twins), ``meshes`` (device meshes over those groups),
 ``layout_locals`` (per-layout RNG tracker, memory buffer, virtual-pipeline rank), ``current`` (the current state
-and the module-level functions); and what runs on a state: ``rng`` (RNG streams and Megatron's seeding),
-``memory`` (scratch buffers), ``index`` (the FSDP/HSDP view), ``recompute`` (activation recompute that replays
-the RNG), ``te`` (optional TransformerEngine).
+and the module-level functions); and what runs on a state: ``rng_tracker`` (named RNG streams), ``rng`` (the
+current state's tracker and Megatron's seeding), ``memory`` (scratch buffers), ``index`` (the FSDP/HSDP view),
+``recompute`` (activation recompute that replays the RNG), ``te`` (optional TransformerEngine).
 """
 from megashard.state.core import ParallelState
 from megashard.state.current import (
