@@ -62,6 +62,16 @@ def mesh_flattened_names(device_mesh) -> list[str]:
         return []
 
 
+def mesh_release_groups(device_mesh) -> None:
+    """Drop the process groups a DeviceMesh keeps in its ``_pg_registry`` (torch >= 2.10; a no-op where it has
+    none). After its state is destroyed a mesh must not be used; caches of DTensor sharding propagation may keep
+    the mesh itself alive until interpreter shutdown, and with it — without this — every group and its backend
+    threads (megashard.state.pool explains why those must end before Python does)."""
+    registry = getattr(device_mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+
+
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
 def fake_store():
     """A ``FakeStore`` for ``init_process_group("fake", store=..., rank=r, world_size=W)``: one process

@@ -21,13 +21,20 @@ from megashard.state.current import (
     is_initialized,
     set_parallel_state,
 )
-from megashard.state.devices import LAUNCHER_ENV, check_devices, current_device, init_distributed, resolve_backend
+from megashard.state.devices import (
+    LAUNCHER_ENV,
+    check_devices,
+    current_device,
+    end_distributed,
+    init_distributed,
+    resolve_backend,
+)
 from megashard.state.layout_locals import LayoutLocals
 from megashard.state.meshes import VIEW_AXES
 from megashard.state.pool import pooled_group_count, release_process_groups
 
 __all__ = [
     "LAUNCHER_ENV", "LayoutLocals", "ParallelState", "VIEW_AXES", "check_devices", "current_device", "current_locals",
-    "destroy", "get_parallel_state", "init_distributed", "initialize", "is_initialized", "pooled_group_count",
+    "destroy", "end_distributed", "get_parallel_state", "init_distributed", "initialize", "is_initialized", "pooled_group_count",
     "release_process_groups", "resolve_backend", "set_parallel_state",
 ]

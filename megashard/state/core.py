@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megashard._compat import mesh_release_groups
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError, did_you_mean
 from megashard.layout import GROUP_NAMES, RankLayout
@@ -257,6 +258,8 @@ class ParallelState:
         if self._destroyed:
             return
         self._destroyed = True
+        for mesh in (*self._views.values(), *self._meshes.values()):
+            mesh_release_groups(mesh)  # DTensor caches may keep a mesh alive: not its groups
         self._meshes.clear()
         self._views.clear()
         self._groups.clear()

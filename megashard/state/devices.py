@@ -3,7 +3,8 @@
 :func:`current_device` is the one answer to "which device": the state's meshes, the memory buffer, the training
 job's tensors and the config check's collectives all ask it. :func:`resolve_backend` turns ``backend: auto``
 into nccl or gloo, :func:`check_devices` refuses a job this machine cannot run (one line, before any process
-starts), and :func:`init_distributed` starts the default process group from torchrun's environment.
+starts), :func:`init_distributed` starts the default process group from torchrun's environment and
+:func:`end_distributed` ends it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError
 
-__all__ = ["LAUNCHER_ENV", "check_devices", "current_device", "init_distributed", "resolve_backend"]
+__all__ = ["LAUNCHER_ENV", "check_devices", "current_device", "end_distributed", "init_distributed", "resolve_backend"]
 
 
 def current_device(device: str = "auto") -> torch.device:
@@ -82,3 +83,18 @@ def init_distributed(config: ParallelConfig) -> None:
     if backend == "nccl" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.timeout))
+
+
+def end_distributed() -> None:
+    """The orderly end of this process's distributed work: every pooled communicator destroyed first, then the
+    default group, and their objects freed now — so their backend threads are joined while Python is fully alive,
+    never during interpreter shutdown (:mod:`megashard.state.pool`). Call it after the last collective, on every
+    rank (it is local: no collective); safe when nothing is initialised."""
+    import gc
+
+    from megashard.state.pool import release_process_groups
+
+    release_process_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # meshes and modules in reference cycles may still hold a group

@@ -272,12 +272,23 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         if writer is not None:
             writer.close()
             _report(job, result, read_metrics(writer.path), plot_loss)
+        # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
+        # groups down while another still runs (then the worker ends its groups: end_distributed).
+        _final_barrier(job.parallel.timeout)
         return result
     finally:
         if lock is not None:
             lock.release()
         if own_state:
             ms.destroy()
+
+
+def _final_barrier(timeout: float) -> None:
+    """A barrier of every rank on the default group, given up after ``timeout`` seconds (parallel.timeout)."""
+    from datetime import timedelta
+
+    if dist.get_world_size() > 1:
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout))
 
 
 def job_fingerprint(job: JobConfig) -> dict[str, Any]:
