@@ -227,6 +227,8 @@ def check_two_states_own_their_per_layout_state(rank, world_size):
     import megashard.parallel_state as ps
     import megashard.state as ms
     from megashard.config import ParallelConfig
+    from megashard.errors import ConfigError
+    from megashard.layout import RankLayout
     from megashard.state.memory import get_global_memory_buffer
     from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
 
@@ -245,7 +247,11 @@ def check_two_states_own_their_per_layout_state(rank, world_size):
         buf_a = get_global_memory_buffer()
         assert buf_a is a.locals.memory_buffer
         ps.set_virtual_pipeline_model_parallel_rank(1)
-        b = ms.ParallelState(ParallelConfig(pp=2))  # a second state next to the current one
+        cfg_b = ParallelConfig(pp=2)
+        with pytest.raises(ConfigError, match="the layout was resolved for 8 ranks, but the default process group has 4"):
+            ms.ParallelState(cfg_b, RankLayout(cfg_b.resolve(8)))
+        b = ms.ParallelState(cfg_b, RankLayout(cfg_b.resolve(world_size)))  # a second state next to the current one
+        assert b.layout.group_of("pp", rank) == [rank % 2, rank % 2 + 2]
         prev = ms.set_parallel_state(b)
         assert prev is a
         assert get_cuda_rng_tracker() is not early and not get_cuda_rng_tracker().is_initialized()
