@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from megashard.memory import GlobalMemoryBuffer
-from megashard.random import RNGStatesTracker, _device_generator
+from megashard.state.memory import GlobalMemoryBuffer
+from megashard.state.rng import RNGStatesTracker, _device_generator
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "per_rank_state.json")
 

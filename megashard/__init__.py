@@ -5,6 +5,11 @@
     state.group("tp"); state.fsdp_mesh; state.fully_shard_mesh
     megashard.destroy()
 
+The package follows the flow of a job: ``config`` (ParallelConfig, parsed and checked once) → ``layout``
+(RankLayout: which ranks form each group) → ``state`` (ParallelState: process groups, meshes, RNG tracker,
+memory buffer) → ``tensors`` (sharding) → ``checkpoint`` (DCP save/load) → ``data`` → ``train`` / ``cli`` (the
+example job and the ``megashard`` command). ``parallel_state`` is Megatron-LM's API over the current state.
+
 Config, layout and errors are pure Python; the torch-dependent parts (state, meshes) load on first use,
 so `megashard plan` starts without importing torch.
 """

@@ -1,4 +1,4 @@
-"""``python -m megashard`` = the ``megashard`` command line (see megashard/cli.py)."""
+"""``python -m megashard`` = the ``megashard`` command line (see megashard/cli/)."""
 from megashard.cli import main
 
 if __name__ == "__main__":

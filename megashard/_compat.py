@@ -36,7 +36,7 @@ def torch_local_shape_and_offset_at(global_shape, mesh_shape, coordinate, placem
     return _torch_local_shape_offset_at(global_shape, tuple(mesh_shape), list(coordinate), placements)
 
 
-# --- autograd checkpoint guard (used by megashard.recompute) --------------------------------------
+# --- autograd checkpoint guard (used by megashard.state.recompute) --------------------------------------
 # False while torch.autograd.grad() (rather than .backward()) runs a graph: recompute cannot work then.
 def autograd_checkpoint_valid() -> bool:
     """`torch.autograd._is_checkpoint_valid()`, or True on a torch without it."""
@@ -60,6 +60,16 @@ def mesh_flattened_names(device_mesh) -> list[str]:
         return list(_mesh_resources.root_to_flatten_mapping.get(root, {}))
     except (ImportError, AttributeError):
         return []
+
+
+def mesh_release_groups(device_mesh) -> None:
+    """Drop the process groups a DeviceMesh keeps in its ``_pg_registry`` (torch >= 2.10; a no-op where it has
+    none). After its state is destroyed a mesh must not be used; caches of DTensor sharding propagation may keep
+    the mesh itself alive until interpreter shutdown, and with it — without this — every group and its backend
+    threads (megashard.state.pool explains why those must end before Python does)."""
+    registry = getattr(device_mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---

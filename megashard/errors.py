@@ -1,4 +1,8 @@
-"""Exceptions raised by megashard for user-facing problems, and the one line a command prints for them."""
+"""Exceptions raised by megashard for user-facing problems, and how their one line is worded (the command's
+prefix, "did you mean" hints)."""
+from __future__ import annotations
+
+from typing import Iterable
 
 
 def error_line(prefix: str, error: BaseException) -> str:
@@ -6,6 +10,21 @@ def error_line(prefix: str, error: BaseException) -> str:
     nested error's text): how ``megashard <cmd>`` and the job's workers report a :class:`MegashardError`."""
     text = " ".join(str(error).split("\n"))
     return f"{prefix}: error: {text}"
+
+
+def did_you_mean(word: object, choices: Iterable[str], *, prefix: str = "", cutoff: float = 0.6) -> str:
+    """``" (did you mean '<prefix><choice>'?)"`` for the choice closest to ``word`` (difflib ratio >= ``cutoff``),
+    or ``""`` when none is close: the hint of every "unknown name" error."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=cutoff)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def unknown_names(words: Iterable[object], choices: Iterable[str], *, prefix: str = "", cutoff: float = 0.6) -> str:
+    """``'a' (did you mean 'b'?), 'c'``: each unknown word quoted (with ``prefix``) and hinted, for one error line."""
+    choices = list(choices)
+    return ", ".join(f"'{prefix}{w}'" + did_you_mean(w, choices, prefix=prefix, cutoff=cutoff) for w in words)
 
 
 class MegashardError(Exception):

@@ -3,7 +3,10 @@
 Existing model code can switch ``from megatron.core import parallel_state`` to
 ``from megashard import parallel_state``: the function names, arguments and group layouts are
 Megatron-LM's (for the same sizes and ``order`` every group equals Megatron's ``RankGenerator``).
-Every function forwards to the current state; `destroy_model_parallel` tears it down completely.
+Every function forwards to the current state (:func:`megashard.state.get_parallel_state`): the groups and sizes
+to its layout, the virtual-pipeline rank and the memory buffer to its per-layout state (``state.locals``; before
+``initialize_model_parallel`` the process's detached one, as Megatron's globals work before initialisation);
+`destroy_model_parallel` tears it down completely.
 """
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import torch.distributed as dist
 from megashard import state as _state
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError
-
-_VPP_RANK: Optional[int] = None
 
 
 def initialize_model_parallel(
@@ -61,9 +62,8 @@ def initialize_model_parallel(
             backend=backend if backend in ("gloo", "nccl", "fake") else "auto",
         )
     )
-    global _VPP_RANK
-    _VPP_RANK = 0 if virtual_pipeline_model_parallel_size is not None else None
-    _state.initialize(cfg)
+    st = _state.initialize(cfg)
+    st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
 
 
 def model_parallel_is_initialized() -> bool:
@@ -76,8 +76,6 @@ def is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Destroy every group, mesh, RNG tracker and buffer megashard created; re-initialising works afterwards."""
-    global _VPP_RANK
-    _VPP_RANK = None
     _state.destroy()
 
 
@@ -113,7 +111,8 @@ def get_data_parallel_group(with_context_parallel: bool = False, partial_data_pa
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
-    """The data-parallel group on gloo (for CPU-side work); the same group when the job runs on gloo."""
+    """The data-parallel group on gloo (for CPU-side work); the same group when the job runs on gloo. On nccl its
+    twin was created at initialisation (``create_gloo_process_groups``, on by default); StateError otherwise."""
     return _st().gloo_group(_dp_name(with_context_parallel, partial_data_parallel))
 
 
@@ -300,18 +299,17 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 
 
 def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
-    return _VPP_RANK
+    return _state.current_locals().virtual_pipeline_rank
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
-    global _VPP_RANK
-    _VPP_RANK = rank
+    _state.current_locals().virtual_pipeline_rank = rank
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     """True on the first pipeline stage (and, unless ``ignore_virtual``, on its first virtual stage)."""
     if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() is not None:
-        stage = _VPP_RANK if vp_stage is None else vp_stage
+        stage = get_virtual_pipeline_model_parallel_rank() if vp_stage is None else vp_stage
         if stage != 0:
             return False
     return get_pipeline_model_parallel_rank() == 0
@@ -321,13 +319,12 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
     """True on the last pipeline stage (and, unless ``ignore_virtual``, on its last virtual stage)."""
     vpp = get_virtual_pipeline_model_parallel_world_size()
     if not ignore_virtual and vpp is not None:
-        stage = _VPP_RANK if vp_stage is None else vp_stage
+        stage = get_virtual_pipeline_model_parallel_rank() if vp_stage is None else vp_stage
         if stage != vpp - 1:
             return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
 def get_global_memory_buffer():
-    from megashard.memory import get_global_memory_buffer as _get
-
-    return _get()
+    """The current state's scratch-memory buffer (:class:`~megashard.state.memory.GlobalMemoryBuffer`)."""
+    return _state.current_locals().memory_buffer

@@ -153,7 +153,7 @@ def check_save_tp2_dp2(rank, world_size):
     import torch.distributed as dist
 
     from megashard import checkpoint
-    from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
+    from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
 
     st, model, opt = _build(0, tp=2)
     _train(model, opt)
@@ -181,7 +181,7 @@ def check_save_tp2_dp2(rank, world_size):
 
 def check_load_same_layout_restores_rng_and_data(rank, world_size):
     from megashard import checkpoint
-    from megashard.random import get_cuda_rng_tracker
+    from megashard.state.rng import get_cuda_rng_tracker
 
     st, model, opt = _build(1, tp=2)
     report = checkpoint.load(os.path.join(_root(), "a"), model, opt)
@@ -198,7 +198,7 @@ def check_load_same_layout_restores_rng_and_data(rank, world_size):
 def _check_resharded_load(rank, seed: int, ckpt: str = "a", **sizes):
     from megashard import checkpoint
     from megashard.checkpoint.rank_state import reseed_value
-    from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
+    from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
     from megashard.tensors.uneven import gather_uneven_dtensor_to_full_tensor
 
     st, model, opt = _build(seed, **sizes)

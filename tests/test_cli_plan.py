@@ -11,8 +11,8 @@ import pytest
 
 from megashard.cli import main
 from megashard.config import ParallelConfig
-from megashard.layout import GROUP_NAMES, RankLayout
-from megashard.plan import format_members, locality
+from megashard.layout import GROUP_NAMES, NODE_LOCAL_GROUPS, LocalityReport, RankLayout, locality, locality_warning
+from megashard.layout.plan import format_members
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
@@ -145,16 +145,31 @@ def test_locality_warning_for_tp_across_nodes(capsys):
     assert code == 0 and "WARNING" not in out and "no locality warnings" in out
 
 
+def exact_locality(layout: RankLayout, G: int) -> LocalityReport:
+    """The test oracle: list every group of every name and look at its members' nodes (slow, obviously right)."""
+    crossing, warnings = {}, []
+    for name in GROUP_NAMES:
+        if name == "world":
+            continue
+        groups = layout.groups(name)
+        n_cross = sum(1 for g in groups if len({r // G for r in g}) > 1)
+        crossing[name] = (n_cross, len(groups))
+        if n_cross and name in NODE_LOCAL_GROUPS:
+            warnings.append(locality_warning(name, len(groups[0]), n_cross, len(groups), G))
+    return LocalityReport(G, crossing, tuple(warnings))
+
+
 @pytest.mark.parametrize("kw,world", [
     (dict(tp=2, pp=4), 16), (dict(tp=4, cp=2, dp_outer=2), 32), (dict(tp=2, ep=4, expt_tp=2, pp=2), 48),
     (dict(tp=2, pp=3, order="tp-pp-dp"), 24), (dict(tp=3, ep=2, pp=2), 24),
 ])
 def test_fast_locality_equals_layout_locality(kw, world, monkeypatch):
-    import megashard.plan as plan_mod
+    import megashard.layout.node_locality as plan_mod
 
     layout = RankLayout(ParallelConfig(**kw), world)
     for g in (1, 2, 3, 4, 5, 6, 8, 16, world - 1, world, 64):
-        want = layout.locality(g)
+        want = exact_locality(layout, g)
+        assert layout.locality(g) == want, g
         assert locality(layout, g) == want, g
         # Both counting strategies: residues of the group bases mod G, and bases before each node boundary.
         for cost in (lambda dims, G: 0, lambda dims, G: 1 << 60):
@@ -164,7 +179,7 @@ def test_fast_locality_equals_layout_locality(kw, world, monkeypatch):
 
 
 def test_palette_is_distinct_for_thousands_of_groups():
-    from megashard.plan import _palette
+    from megashard.layout.plan_svg import _palette
 
     assert len(set(_palette(16384))) == 16384  # beyond ~3,000 the hue circles are full: must not hang
     assert _palette(40) == _palette(16384)[:40]

@@ -3,7 +3,7 @@ import pytest
 
 from megashard import ConfigError
 from megashard.config import ParallelConfig
-from megashard.yamlcfg import apply_overrides
+from megashard.config.yamlfile import apply_overrides
 
 
 def R(world, **kw):

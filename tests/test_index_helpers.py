@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megashard import MegashardError
-from megashard.index import FSDPDistributedIndex, contains_submesh, get_mesh_names
+from megashard.state.index import FSDPDistributedIndex, contains_submesh, get_mesh_names
 from megashard.introspect import create_updated_function_signature, is_submodule
 
 

@@ -158,7 +158,7 @@ def test_matches_brute_force_mesh_construction():
     for cfg, world in CONFIGS:
         lay = RankLayout(cfg, world)
         for name in GROUP_NAMES:
-            grid = lay._expert if name in EXPERT_GROUPS else lay._dense
+            grid = lay.grid(expert=name in EXPERT_GROUPS)
             axes = list(zip(grid.names, grid.sizes))
             wanted = set((EXPERT_GROUPS if name in EXPERT_GROUPS else DENSE_GROUPS)[name])
             assert lay.groups(name) == _brute_force(world, axes, wanted), (cfg, name)
@@ -179,7 +179,7 @@ def test_group_of_rank_in_coords_consistent():
                     assert lay.group_index(name, r) == gi
         for r in range(world):
             c = lay.coords(r)
-            assert lay._dense.rank_at(c) == r and lay._expert.rank_at(c) == r
+            assert lay.grid().rank_at(c) == r and lay.grid(expert=True).rank_at(c) == r
 
 
 def test_members_is_group_of_without_listing():

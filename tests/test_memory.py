@@ -6,16 +6,16 @@ import contextlib
 import pytest
 import torch
 
-import megashard.memory as mm
 from megashard.errors import ConfigError
-from megashard.memory import GlobalMemoryBuffer, get_global_memory_buffer
+from megashard.state.current import current_locals
+from megashard.state.memory import GlobalMemoryBuffer, get_global_memory_buffer
 
 
 @pytest.fixture(autouse=True)
 def _clean():
-    mm._reset_for_destroy()
+    current_locals().reset()
     yield
-    mm._reset_for_destroy()
+    current_locals().reset()
 
 
 def test_reuse_returns_same_storage_without_allocation():
@@ -97,7 +97,7 @@ def test_global_buffer_is_shared_and_cleared_by_destroy_hook():
     g = get_global_memory_buffer()
     assert get_global_memory_buffer() is g
     g.get_tensor((4,), torch.float32, "x")
-    mm._reset_for_destroy()
+    current_locals().reset()
     assert g.buffer == {}
     assert get_global_memory_buffer() is not g
 

@@ -6,10 +6,11 @@ import warnings
 import pytest
 import torch
 
-import megashard.random as mr
+import megashard.state.rng as mr
 from megashard.errors import ConfigError, MegashardError, RNGTrackerError, TransformerEngineMissingError
-from megashard.random import RNGStatesTracker, get_cuda_rng_tracker, initialize_rng_tracker
-from megashard.random import model_parallel_cuda_manual_seed, model_parallel_manual_seed
+from megashard.state.current import current_locals
+from megashard.state.rng import RNGStatesTracker, get_cuda_rng_tracker, initialize_rng_tracker
+from megashard.state.rng import model_parallel_cuda_manual_seed, model_parallel_manual_seed
 from tests._dist import spawn_checks
 
 N = 5  # numbers drawn per step
@@ -25,9 +26,9 @@ def fresh(seed: int) -> torch.Generator:
 
 @pytest.fixture(autouse=True)
 def _clean_tracker():
-    mr._reset_for_destroy()
+    current_locals().reset()
     yield
-    mr._reset_for_destroy()
+    current_locals().reset()
 
 
 @pytest.fixture
@@ -203,7 +204,7 @@ def test_manual_seed_keeps_existing_tracker_unless_flags_differ():
         warnings.simplefilter("error")
         model_parallel_manual_seed(1, tp_rank=0, ep_rank=0, expt_tp_rank=0)  # no flags: seeds the existing one
     assert get_cuda_rng_tracker() is t
-    mr._reset_for_destroy()
+    current_locals().reset()
     t = get_cuda_rng_tracker()
     with pytest.warns(UserWarning, match="inference_rng_tracker=True"):
         model_parallel_manual_seed(1, inference_rng_tracker=True, tp_rank=0, ep_rank=0, expt_tp_rank=0)
@@ -218,12 +219,12 @@ def test_cudagraphable_rng_without_cuda_is_a_clear_error():
 
 
 def test_te_tracker_without_te_is_a_clear_error(monkeypatch):
-    import megashard.te as te
+    import megashard.state.te as te
 
     monkeypatch.setattr(te, "_import_te", lambda: (None, ImportError("No module named 'transformer_engine'")))
     with pytest.raises(TransformerEngineMissingError, match=r"use_te_rng_tracker=True.*pip install 'megashard\[te\]'"):
         initialize_rng_tracker(use_te_rng_tracker=True)
-    assert mr._RNG_TRACKER is None  # nothing half-initialised
+    assert current_locals().rng_tracker is None  # nothing half-initialised
 
 
 # --------------------------------------------------------------------------- seeding (one process)
@@ -252,7 +253,7 @@ def test_seed_collision_is_reported_with_layout():
     # 1024 + 100*17 + 0 == 2718 + 6: expert and model streams would coincide on this rank
     with pytest.raises(ConfigError, match=r"'model-parallel-rng' and 'expert-parallel-rng'.*tp_rank=6, ep_rank=17, expt_tp_rank=0"):
         model_parallel_manual_seed(0, tp_rank=6, ep_rank=17, expt_tp_rank=0)
-    assert mr._RNG_TRACKER is None  # rejected before any state changed
+    assert current_locals().rng_tracker is None  # rejected before any state changed
     with pytest.raises(ConfigError, match="tp_rank must be >= 0"):
         model_parallel_manual_seed(0, tp_rank=-1, ep_rank=0, expt_tp_rank=0)
 
@@ -260,7 +261,7 @@ def test_seed_collision_is_reported_with_layout():
 def test_reset_for_destroy_drops_tracker():
     t = get_cuda_rng_tracker()
     t.add("a", 1)
-    mr._reset_for_destroy()
+    current_locals().reset()
     assert get_cuda_rng_tracker() is not t
     assert not get_cuda_rng_tracker().is_initialized()
 
@@ -296,7 +297,7 @@ def _with_state(config_kwargs: dict, body) -> None:
         body(st)
     finally:
         ms.destroy()
-    assert mr._RNG_TRACKER is None, "megashard.state.destroy() must call megashard.random._reset_for_destroy()"
+    assert current_locals().rng_tracker is None, "megashard.state.destroy() must drop the RNG tracker"
 
 
 def check_seeding_tp2(rank, world_size):

@@ -126,7 +126,7 @@ def check_cp2_step_without_deprecated_collectives(rank, world_size):
 
 
 def check_a_rank_that_never_joins_times_out(rank, world_size):
-    from megashard.agreement import check_ranks_agree
+    from megashard.state.agreement import check_ranks_agree
     from megashard.errors import RankMismatchError
 
     fields = {"x": 1}
@@ -166,7 +166,7 @@ def test_ranks_agree(dist2, check):
 
 
 def test_mismatch_message_groups_ranks_and_limits_fields():
-    from megashard.agreement import _message
+    from megashard.state.agreement import _message
 
     d1 = {"parallel.tp": (2, 1)}
     many = {f"f{i}": (i, 0) for i in range(9)}

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megashard.random as mr
-import megashard.recompute as mrc
+import megashard.state.recompute as mrc
 from megashard.errors import StateError
-from megashard.random import get_cuda_rng_tracker, model_parallel_manual_seed
-from megashard.recompute import checkpoint
+from megashard.state.current import current_locals
+from megashard.state.recompute import checkpoint
+from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
 from tests._dist import spawn_checks
 from tests._helpers import assert_bitwise_equal
 
@@ -77,9 +77,9 @@ def run(blocks, x0, *, ckpt: bool, distribute: bool = False, tp_rank: int = 0, g
 
 @pytest.fixture(autouse=True)
 def _clean():
-    mr._reset_for_destroy()
+    current_locals().reset()
     yield
-    mr._reset_for_destroy()
+    current_locals().reset()
 
 
 def test_checkpoint_gradients_bitwise_equal():

@@ -142,6 +142,7 @@ def _check_facade(tp, pp, cp, ep, etp, order="tp-cp-ep-dp-pp", instances=1):
         assert ps.get_context_parallel_global_ranks() == lay.group_of("cp", rank)
         g = ps.get_data_parallel_group_gloo()
         assert R(g) == lay.group_of("dp", rank)
+        assert g is ps.get_data_parallel_group()  # on a gloo job the twin is the group itself
     finally:
         ps.destroy_model_parallel()
     assert not ps.model_parallel_is_initialized()
@@ -220,9 +221,59 @@ def check_fsdp_index(rank, world_size):
             ms.destroy()
 
 
+def check_two_states_own_their_per_layout_state(rank, world_size):
+    """Each ParallelState owns its RNG tracker, memory buffer and virtual-pipeline rank; the module functions use
+    the current state's, and a tracker set up before initialize() moves into the state initialize() makes."""
+    import megashard.parallel_state as ps
+    import megashard.state as ms
+    from megashard.config import ParallelConfig
+    from megashard.errors import ConfigError
+    from megashard.layout import RankLayout
+    from megashard.state.memory import get_global_memory_buffer
+    from megashard.state.rng import get_cuda_rng_tracker, model_parallel_manual_seed
+
+    def draw(seed_stream: str) -> torch.Tensor:
+        with get_cuda_rng_tracker().fork(seed_stream):
+            return torch.rand(4)
+
+    def fresh(seed: int) -> torch.Tensor:
+        return torch.rand(4, generator=torch.Generator().manual_seed(seed))
+
+    early = get_cuda_rng_tracker()  # before initialize(): the process's detached tracker
+    a = ms.initialize(ParallelConfig(tp=2))
+    try:
+        assert get_cuda_rng_tracker() is early is a.locals.rng_tracker
+        model_parallel_manual_seed(100)
+        buf_a = get_global_memory_buffer()
+        assert buf_a is a.locals.memory_buffer
+        ps.set_virtual_pipeline_model_parallel_rank(1)
+        cfg_b = ParallelConfig(pp=2)
+        with pytest.raises(ConfigError, match="the layout was resolved for 8 ranks, but the default process group has 4"):
+            ms.ParallelState(cfg_b, RankLayout(cfg_b.resolve(8)))
+        b = ms.ParallelState(cfg_b, RankLayout(cfg_b.resolve(world_size)))  # a second state next to the current one
+        assert b.layout.group_of("pp", rank) == [rank % 2, rank % 2 + 2]
+        prev = ms.set_parallel_state(b)
+        assert prev is a
+        assert get_cuda_rng_tracker() is not early and not get_cuda_rng_tracker().is_initialized()
+        assert get_global_memory_buffer() is not buf_a and ps.get_virtual_pipeline_model_parallel_rank() is None
+        model_parallel_manual_seed(200)  # b's tracker, b's tp rank (tp=1: 0)
+        assert torch.equal(draw("model-parallel-rng"), fresh(200 + 2718))
+        ms.set_parallel_state(a)
+        # a's streams were untouched by b's seeding: its model-parallel stream starts at seed + 2718 + tp_rank.
+        assert torch.equal(draw("model-parallel-rng"), fresh(100 + 2718 + rank % 2))
+        assert get_global_memory_buffer() is buf_a and ps.get_virtual_pipeline_model_parallel_rank() == 1
+        b.destroy()
+        assert b.locals.rng_tracker is None and a.locals.rng_tracker is early  # one state's teardown only
+    finally:
+        ms.destroy()
+    assert a.locals.rng_tracker is None and ps.get_virtual_pipeline_model_parallel_rank() is None
+    assert get_cuda_rng_tracker() is not early and not get_cuda_rng_tracker().is_initialized()
+
+
 @pytest.fixture(scope="module")
 def world4():
-    return spawn_checks([check_uninitialised_errors, check_state_world4, check_facade_world4, check_fsdp_index], world_size=4)
+    return spawn_checks([check_uninitialised_errors, check_state_world4, check_facade_world4, check_fsdp_index,
+                         check_two_states_own_their_per_layout_state], world_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +291,10 @@ def test_state_groups_meshes_world4(world4):
 
 def test_megatron_facade_world4(world4):
     world4.assert_ok("check_facade_world4")
+
+
+def test_two_states_own_their_per_layout_state(world4):
+    world4.assert_ok("check_two_states_own_their_per_layout_state")
 
 
 def test_fsdp_index_world4(world4):

@@ -7,18 +7,19 @@ import types
 
 import pytest
 
-import megashard.random as mr
-import megashard.te as te
+import megashard.state.rng as mr
+import megashard.state.te as te
 from megashard.errors import ConfigError, RNGTrackerError, TransformerEngineMissingError
+from megashard.state.current import current_locals
 
 
 @pytest.fixture(autouse=True)
 def _clean():
     te._reset_te_cache()
-    mr._reset_for_destroy()
+    current_locals().reset()
     yield
     te._reset_te_cache()
-    mr._reset_for_destroy()
+    current_locals().reset()
 
 
 class FakeTETracker:

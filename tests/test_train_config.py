@@ -43,7 +43,7 @@ def test_every_shipped_config_is_listed():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
 def test_config_parses_and_resolves_for_its_world_size(path):
-    from megashard.plan import load_config
+    from megashard.cli.plan import load_config
 
     name = os.path.splitext(os.path.basename(path))[0]
     j = job(path=path)

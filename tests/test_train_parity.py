@@ -8,7 +8,7 @@ its final full parameters) to a shared temporary directory; the pytest tests com
 * float64: every step within 1e-10 relative of the single process; float32: within 1e-4;
 * reshard: the tp=2·dp=2 run's step-5 checkpoint resumed at dp_shard=4 matches steps 6-10 and the final
   parameters of the run that stayed at tp=2·dp=2;
-* recompute (megashard.recompute.checkpoint) changes nothing; with dropout > 0 it replays the masks;
+* recompute (megashard.state.recompute.checkpoint) changes nothing; with dropout > 0 it replays the masks;
 * ``model.arch: llama`` with tied embeddings on a prepared (memory-mapped, byte-tokenized) corpus of the
   repository's docs, with a validation split: tp=2·dp=2 equals one process at every step (training and
   validation losses, float64, 1e-10), and its step-5 checkpoint resumed at dp_shard=4 continues identically.

@@ -5,7 +5,7 @@ its data-loader state. Neither can be resharded:
 
 * RNG states are per rank. They are restored exactly when the layout is unchanged; otherwise every
   stream is re-seeded deterministically from ``(seed, step)`` by :func:`reseed_value` and
-  :func:`megashard.random.model_parallel_manual_seed`.
+  :func:`megashard.state.rng.model_parallel_manual_seed`.
 * A rank's data-loader state belongs to its data-parallel rank. It is restored when the data-parallel
   size is unchanged (dp rank ``d`` gets what dp rank ``d`` saved); otherwise the position is recomputed
   from the global sample count ``consumed_samples``, which does not depend on the layout.
@@ -96,7 +96,7 @@ def _rank_state_name(rank: int) -> str:
 
 
 def _rng_snapshot() -> dict:
-    from megashard.random import get_cuda_rng_tracker
+    from megashard.state.rng import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()
     states = {}
@@ -111,7 +111,7 @@ def _rng_snapshot() -> dict:
 
 
 def _rng_restore(rng: dict) -> None:
-    from megashard.random import get_cuda_rng_tracker
+    from megashard.state.rng import get_cuda_rng_tracker
 
     torch.set_rng_state(rng["cpu"])
     if rng.get("cuda") is not None and torch.cuda.is_available():
@@ -191,7 +191,7 @@ def restore_rank_state(report: LoadReport, ckpt: str, info: dict, st, rank: int,
 
 
 def _reseed(value: int) -> None:
-    from megashard.random import model_parallel_manual_seed
+    from megashard.state.rng import model_parallel_manual_seed
 
     torch.manual_seed(value)
     model_parallel_manual_seed(value)

@@ -22,7 +22,7 @@ the next older one is tried; no process exits, so no torchrun restart is spent. 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import os
 import sys
@@ -33,12 +33,16 @@ from torch import nn
 
 from megashard.train.parallelize import global_dtensor, local_tensor
 
+if TYPE_CHECKING:
+    from megashard.state import ParallelState
+    from megashard.train.config import JobConfig
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model", "resume_checkpoint"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, *, fresh: bool) -> dict[str, Any]:
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, *, fresh: bool) -> dict[str, Any]:
     """The global-DTensor state dict; ``fresh=True`` gives new empty local tensors (load targets)."""
     sd: dict[str, Any] = {"model": {}, "optim": {}}
     opt_state = optimizer.state
@@ -56,7 +60,7 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, 
     return sd
 
 
-def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any,
+def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState,
                     *, consumed_samples: Optional[int] = None, keep: int = 0) -> str:
     """Write the checkpoint of ``step`` under ``root`` (all ranks call); keep the newest ``keep`` (0 = all).
 
@@ -78,7 +82,7 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return safety.latest_checkpoint(root)
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> int:
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> int:
     """Load ``path`` (a checkpoint, or a root: its newest complete one) into the parallelized model and
     optimizer of the current layout, whatever layout it was saved with; returns its step.
 
@@ -144,7 +148,7 @@ def _why(e: BaseException) -> str:
     return str(e).split(" Restore the file(s)")[0]
 
 
-def resume_checkpoint(job: Any, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> tuple[Optional[str], int]:
+def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> tuple[Optional[str], int]:
     """Load the checkpoint the job starts from (all ranks call); returns ``(path, step)``, or ``(None, 0)``.
 
     * ``checkpoint.load_step`` / ``checkpoint.load_path`` set: exactly that checkpoint. If it is damaged,

@@ -152,7 +152,6 @@ class CheckpointLock:
         me = LockHolder(host=hostname(), pid=pid, job=job, job_id=job_id or f"{hostname()}:{pid}", owner=owner,
                         pid_start=process_start_time(pid), taken=time.time())
         os.makedirs(directory, exist_ok=True)
-        note = None
         for _ in range(200):  # rounds of losing races against other takers (each waits 50 ms at most)
             holder = read_holder(directory)
             if holder is not None:
@@ -162,13 +161,16 @@ class CheckpointLock:
                     return cls(directory, holder, created=False)  # the job's launcher holds it for the run
                 if not same_job and reason is None:
                     raise _refusal(directory, holder)
-                if not same_job:
-                    note = f"took over the lock of {directory} from {holder.describe()}: {reason}"
-                # else: a lock of this job's earlier attempt (a torchrun restart): taken over silently
-                if not _remove_stale(directory, holder):
-                    continue  # someone else is taking it over: look again
+                note = None if same_job else f"took over the lock of {directory} from {holder.describe()}: {reason}"
+                # (same job: a lock of this job's earlier attempt, e.g. before a torchrun restart: taken over silently)
+                if _take_over(directory, holder, me):
+                    return cls(directory, me, created=True, note=note)
+                continue  # someone else is taking it over: look again
+            if os.path.exists(_lock_path(directory) + ".takeover"):
+                time.sleep(0.05)  # a taker is between removing a stale lock and creating its own: let it finish
+                continue
             if _create(_lock_path(directory), me):
-                return cls(directory, me, created=True, note=note)
+                return cls(directory, me, created=True)
         raise _refusal(directory, read_holder(directory) or me)
 
     def _beat(self) -> None:
@@ -219,10 +221,12 @@ def _identity(h: Optional[LockHolder]) -> Optional[tuple]:
     return None if h is None else (h.host, h.pid, h.job_id, h.taken)
 
 
-def _remove_stale(directory: str, stale: LockHolder) -> bool:
-    """Remove the lock file if it still is ``stale``'s. Removals happen only under a short-lived mutex
-    (``<lock>.takeover``, created exclusively), so a fresh lock is never removed by a late taker; creation
-    stays the atomic link of :func:`_create`, so exactly one taker wins. False: look again."""
+def _take_over(directory: str, stale: LockHolder, me: LockHolder) -> bool:
+    """Replace the lock file by ``me``'s if it still is ``stale``'s; True when ``me`` holds the lock now.
+
+    Removal and creation happen under one short-lived mutex (``<lock>.takeover``, created exclusively), so a
+    fresh lock is never removed by a late taker and the taker that removed the stale lock is the one that gets
+    it (with its note); creation stays the atomic link of :func:`_create`. False: look again."""
     path = _lock_path(directory)
     mutex = path + ".takeover"
     try:
@@ -243,6 +247,6 @@ def _remove_stale(directory: str, stale: LockHolder) -> bool:
             os.remove(path)
         except FileNotFoundError:
             pass
-        return True
+        return _create(path, me)
     finally:
         os.remove(mutex)

@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from megashard.errors import ConfigError, DataError
-from megashard.train.config import DataConfig, JobConfig, ModelConfig
+from megashard.train.config import JobConfig
+from megashard.train.sections import DataConfig, ModelConfig
 
 __all__ = ["Batches", "synthetic_sequences", "data_paths", "check_corpus", "ensure_corpus", "build_samples"]
 

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -32,6 +33,7 @@ from typing import Mapping, Optional, Sequence
 from megashard.config import ResolvedSizes
 from megashard.errors import ConfigError
 from megashard.train.config import JobConfig
+from megashard.train.sections import LaunchConfig, section_from_dict
 
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_overrides", "first_host", "run"]
 
@@ -117,8 +119,19 @@ def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
     return cmd
 
 
+def _with_overrides(launch: LaunchConfig, items: Sequence[str]) -> LaunchConfig:
+    """``launch`` with ``launch.key=value`` items applied (each value type-checked as in the YAML)."""
+    from megashard.config.yamlfile import parse_override
+
+    values = dataclasses.asdict(launch)
+    for item in items:
+        keys, value = parse_override(item)
+        values[keys[-1]] = value
+    return section_from_dict(LaunchConfig, values, "launch")
+
+
 def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mapping[str, str]] = None) -> LaunchPlan:
-    """Parse, apply Slurm settings, validate for the world size, and build the torchrun command.
+    """Parse (once), apply Slurm settings, validate for the world size (once), and build the torchrun command.
 
     Raises :class:`ConfigError` for anything wrong with the job. Writes nothing.
     """
@@ -131,8 +144,8 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         raise ConfigError("launch.slurm=true but SLURM_JOB_ID is not set: run inside a Slurm allocation (srun), "
                           "or use launch.slurm=null (use Slurm when present)")
     extra = slurm_overrides(env, overrides) if use_slurm else []
-    if extra:
-        job = JobConfig.from_yaml(config, extra + overrides)
+    if extra:  # onto the parsed job (only launch.* keys the command line does not set): the file is read once
+        job.launch = _with_overrides(job.launch, extra)
         notes.append("Slurm: " + " ".join(extra))
         if job.launch.nnodes > 1 and "SLURM_STEP_ID" not in env:
             notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "

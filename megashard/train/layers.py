@@ -66,6 +66,22 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) 
     fn(out, inp, group=group)
 
 
+def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along dim 0, in group-rank order: ``[n·d0, ...]``."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather(out, x.contiguous(), group)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, this rank's ``1/n`` slice along dim 0: ``[d0/n, ...]``."""
+    n = dist.get_world_size(group)
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, x.contiguous(), group)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- collectives
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -113,19 +129,11 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        n = dist.get_world_size(group)
-        xt = x.transpose(0, 1).contiguous()  # sequence first: the gather concatenates dim 0
-        out = torch.empty((n * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather(out, xt, group)
-        return out.transpose(0, 1)
+        return all_gather_dim0(x.transpose(0, 1), group).transpose(0, 1)  # sequence first: the gather concatenates dim 0
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        n = dist.get_world_size(ctx.group)
-        gt = g.transpose(0, 1).contiguous()
-        out = torch.empty((gt.shape[0] // n,) + tuple(gt.shape[1:]), dtype=g.dtype, device=g.device)
-        _reduce_scatter(out, gt, ctx.group)
-        return out.transpose(0, 1), None
+        return reduce_scatter_dim0(g.transpose(0, 1), ctx.group).transpose(0, 1), None
 
 
 def copy_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -180,7 +188,27 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- layers
-class ColumnParallelLinear(nn.Module):
+class _TPLinear(nn.Module):
+    """``y = x Aᵀ + b`` with the weight ``A [out, in]`` split over tp along ``split_dim`` (0: output features,
+    1: input features); the bias ``[out]`` is split with the output features, else replicated."""
+
+    def __init__(self, in_features: int, out_features: int, group: Optional[dist.ProcessGroup], split_dim: int,
+                 bias: bool, init_std: float, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features, self.out_features = in_features, out_features
+        local = [out_features, in_features]
+        local[split_dim] = _divide(local[split_dim], group_size(group), ("out_features", "in_features")[split_dim])
+        self.weight = _tp_param(tuple(local), (out_features, in_features), split_dim, dtype, device)
+        init_spec(self.weight, "normal", init_std, (out_features, in_features))
+        if bias:
+            self.bias = _tp_param((local[0],), (out_features,), 0 if split_dim == 0 else None, dtype, device)
+            init_spec(self.bias, "zeros", global_shape=(out_features,))
+        else:
+            self.register_parameter("bias", None)
+
+
+class ColumnParallelLinear(_TPLinear):
     """``y = x Aᵀ + b`` with ``A`` split by rows (output features) over tp: each rank computes ``out/tp`` features.
 
     Args:
@@ -196,25 +224,15 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: Optional[dist.ProcessGroup], *, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
                  device: Any = None) -> None:
-        super().__init__()
-        self.group, self.gather_output = group, gather_output
-        self.in_features, self.out_features = in_features, out_features
-        tp = group_size(group)
-        local_out = _divide(out_features, tp, "out_features")
-        self.weight = _tp_param((local_out, in_features), (out_features, in_features), 0, dtype, device)
-        init_spec(self.weight, "normal", init_std, (out_features, in_features))
-        if bias:
-            self.bias = _tp_param((local_out,), (out_features,), 0, dtype, device)
-            init_spec(self.bias, "zeros", global_shape=(out_features,))
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(in_features, out_features, group, 0, bias, init_std, dtype, device)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     """``y = x Aᵀ + b`` with ``A`` split by columns (input features) over tp; partial sums all-reduced.
 
     Input ``[..., in/tp]`` (already split, e.g. a column-parallel output); output ``[..., out]``
@@ -223,18 +241,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group: Optional[dist.ProcessGroup], *, bias: bool = True,
                  init_std: float = 0.02, dtype: torch.dtype = torch.float32, device: Any = None) -> None:
-        super().__init__()
-        self.group = group
-        self.in_features, self.out_features = in_features, out_features
-        tp = group_size(group)
-        local_in = _divide(in_features, tp, "in_features")
-        self.weight = _tp_param((out_features, local_in), (out_features, in_features), 1, dtype, device)
-        init_spec(self.weight, "normal", init_std, (out_features, in_features))
-        if bias:
-            self.bias = _tp_param((out_features,), (out_features,), None, dtype, device)
-            init_spec(self.bias, "zeros")
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(in_features, out_features, group, 1, bias, init_std, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group)

@@ -16,12 +16,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megashard.state.devices import current_device
 from megashard.train.config import JobConfig
+
+if TYPE_CHECKING:
+    from megashard.state import ParallelState
 
 __all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "job_fingerprint"]
 
@@ -65,12 +69,12 @@ def lr_at(step: int, job: JobConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- clipping
-def _all_reduce(t: torch.Tensor, state: Any, name: str) -> None:
+def _all_reduce(t: torch.Tensor, state: ParallelState, name: str) -> None:
     if state.size(name) > 1:
         dist.all_reduce(t, group=state.group(name))
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Any) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: ParallelState) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm`` (0 = only measure); returns the norm before clipping.
 
     Each rank holds FSDP shards of TP slices. The squared norm is summed exactly once per element:
@@ -108,15 +112,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Any
 
 
 # ---------------------------------------------------------------------------------------------- building
-def _device(job: JobConfig) -> torch.device:
-    from megashard.state import _device_type
-
-    if _device_type(job.parallel) == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def build(job: JobConfig, state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The parallelized model (initialised from the seed) and its AdamW, for the current layout."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -127,7 +123,7 @@ def build(job: JobConfig, state: Any) -> tuple[torch.nn.Module, torch.optim.Opti
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights, bf16 compute
     groups = ModelGroups.from_state(state)
     model = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
-                device=_device(job))
+                device=current_device(state.device_type))
     init_parameters(model, job.parallel.seed, groups)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
     parallelize(model, state, mp_policy=mp)
@@ -142,7 +138,7 @@ def build(job: JobConfig, state: Any) -> tuple[torch.nn.Module, torch.optim.Opti
     return model, optimizer
 
 
-def full_parameters(model: torch.nn.Module, state: Any) -> dict[str, torch.Tensor]:
+def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
     """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
     from megashard.train.parallelize import global_dtensor, local_tensor
 
@@ -150,7 +146,7 @@ def full_parameters(model: torch.nn.Module, state: Any) -> dict[str, torch.Tenso
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Any, batches: int, state: Any) -> float:
+def evaluate(model: torch.nn.Module, data: Any, batches: int, state: ParallelState) -> float:
     """Mean loss over validation batches ``0 .. batches-1`` (each rank its slice), averaged over dp·cp ranks."""
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=data.device)
@@ -166,27 +162,27 @@ def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> TrainResult:
+def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, ParallelState], None]] = None) -> TrainResult:
     """Run the job on the current world (initialising torch.distributed from torchrun's environment if needed).
 
     ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
     to compare parameters). Returns a :class:`TrainResult` on every rank.
     """
     import megashard.state as ms
-    from megashard.random import model_parallel_manual_seed
+    from megashard.progress import ProgressBar
+    from megashard.state.rng import model_parallel_manual_seed
     from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
-    from megashard.progress import ProgressBar
 
     ms.init_distributed(job.parallel)
     # Every rank must run the same job: checked in the first collective, before any other group exists.
     agree_on = job_fingerprint(job)
     own_state = not ms.is_initialized()
     if own_state:
-        state = ms.initialize(job.parallel, agree_on=agree_on)
+        state = ms.initialize(job.parallel, agree_on=agree_on)  # resolves the parallel section: once
     else:
-        from megashard.agreement import check_ranks_agree, fingerprint
+        from megashard.state.agreement import check_ranks_agree, fingerprint
 
         check_ranks_agree(fingerprint(job.parallel, agree_on), timeout=job.parallel.timeout)
         state = ms.get_parallel_state()
@@ -194,12 +190,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
     t = job.train
     lock = None
     try:
-        sizes = job.validate(dist.get_world_size())
-        if not own_state and state.sizes != sizes:
-            from megashard.errors import ConfigError
+        if own_state:
+            sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
+        else:  # someone else's state: the job's own sizes must be the state's
+            sizes = job.validate(dist.get_world_size())
+            if state.sizes != sizes:
+                from megashard.errors import ConfigError
 
-            raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
-                              f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the same sizes")
+                raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
+                                  f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the "
+                                  "same sizes")
         if rank == 0:
             lock = _hold_checkpoint_dir(job)
         seed = job.parallel.seed
@@ -210,7 +210,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
         if found is not None and rank == 0:
             print(f"megashard run: resumed from {found} (step {start})", file=sys.stderr, flush=True)
         data = Batches(job.data, job.model, t.global_batch, seed, dp_rank=state.rank_in("dp"), dp_size=sizes.dp,
-                       cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=_device(job))
+                       cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=current_device(state.device_type))
         out_dir = job.out_dir
         writer = None
         if rank == 0:
@@ -272,12 +272,23 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Any], N
         if writer is not None:
             writer.close()
             _report(job, result, read_metrics(writer.path), plot_loss)
+        # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
+        # groups down while another still runs (then the worker ends its groups: end_distributed).
+        _final_barrier(job.parallel.timeout)
         return result
     finally:
         if lock is not None:
             lock.release()
         if own_state:
             ms.destroy()
+
+
+def _final_barrier(timeout: float) -> None:
+    """A barrier of every rank on the default group, given up after ``timeout`` seconds (parallel.timeout)."""
+    from datetime import timedelta
+
+    if dist.get_world_size() > 1:
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout))
 
 
 def job_fingerprint(job: JobConfig) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import get_mcore_tensor_parallel_partition_dim, set_tensor_model_parallel_attributes
-from megashard.train.config import ModelConfig
 from megashard.train.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,6 +38,10 @@ from megashard.train.layers import (
     scaled_std,
     vocab_parallel_cross_entropy,
 )
+from megashard.train.sections import ModelConfig
+
+if TYPE_CHECKING:
+    from megashard.state import ParallelState
 
 __all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed", "default_ffn_hidden"]
 
@@ -52,7 +55,7 @@ class ModelGroups:
     ep: Optional[dist.ProcessGroup] = None
 
     @classmethod
-    def from_state(cls, state: Any) -> "ModelGroups":
+    def from_state(cls, state: ParallelState) -> "ModelGroups":
         """Groups of a :class:`megashard.state.ParallelState` (axes of size 1 become ``None``)."""
         def g(name: str) -> Optional[dist.ProcessGroup]:
             return state.group(name) if state.size(name) > 1 else None
@@ -111,7 +114,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         if p > 0:
-            from megashard.random import get_cuda_rng_tracker
+            from megashard.state.rng import get_cuda_rng_tracker
 
             # Heads differ across TP ranks, so their dropout masks must too: the model-parallel stream.
             with get_cuda_rng_tracker().fork():
@@ -135,7 +138,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; ``recompute`` reruns it in backward (megashard.recompute.checkpoint)."""
+    """Pre-LayerNorm transformer block; ``recompute`` reruns it in backward (megashard.state.recompute.checkpoint)."""
 
     def __init__(self, cfg: ModelConfig, ffn: int, moe: bool, groups: ModelGroups, dtype: torch.dtype, device: Any,
                  rotary: Optional[Any] = None) -> None:
@@ -163,7 +166,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
-            from megashard.recompute import checkpoint
+            from megashard.state.recompute import checkpoint
 
             distribute = self.distribute_saved and self.tp_group is not None
             return checkpoint(self._body, distribute, x, group=self.tp_group)

@@ -18,41 +18,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
-from megashard.train.config import ModelConfig
-from megashard.train.layers import _all_gather, _reduce_scatter, group_rank, group_size, init_spec, scaled_std
+from megashard.train.layers import all_gather_dim0, group_rank, group_size, init_spec, reduce_scatter_dim0, scaled_std
+from megashard.train.sections import ModelConfig
 
 __all__ = ["MoE", "Experts"]
 
 
-class _GatherDim0(torch.autograd.Function):
+class _Dim0(torch.autograd.Function):
+    """All-gather (``gather=True``) or reduce-scatter along dim 0 over ``group``; backward is the other one."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        n = dist.get_world_size(group)
-        out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather(out, x.contiguous(), group)
-        return out
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return all_gather_dim0(x, group) if gather else reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        n = dist.get_world_size(ctx.group)
-        out = torch.empty((g.shape[0] // n,) + tuple(g.shape[1:]), dtype=g.dtype, device=g.device)
-        _reduce_scatter(out, g.contiguous(), ctx.group)
-        return out, None
-
-
-class _ReduceScatterDim0(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        n = dist.get_world_size(group)
-        out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        _reduce_scatter(out, x.contiguous(), group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
-        return _GatherDim0.forward(ctx, g, ctx.group), None
+        return (reduce_scatter_dim0(g, ctx.group) if ctx.gather else all_gather_dim0(g, ctx.group)), None, None
 
 
 def _expert_param(shape_local: tuple[int, ...], shape_global: tuple[int, ...], kind: str, std: float,
@@ -109,11 +91,9 @@ class MoE(nn.Module):
         gate, choice = probs.topk(self.top_k, dim=-1)
         gate = gate / gate.sum(dim=-1, keepdim=True)
         if group_size(self.group) > 1:
-            tokens, gate = _GatherDim0.apply(tokens, self.group), _GatherDim0.apply(gate, self.group)
-            all_choice = torch.empty((group_size(self.group) * choice.shape[0], choice.shape[1]),
-                                     dtype=choice.dtype, device=choice.device)
-            _all_gather(all_choice, choice.contiguous(), self.group)
-            out = _ReduceScatterDim0.apply(self.experts(tokens, all_choice, gate), self.group)
+            tokens, gate = _Dim0.apply(tokens, self.group, True), _Dim0.apply(gate, self.group, True)
+            all_choice = all_gather_dim0(choice, self.group)
+            out = _Dim0.apply(self.experts(tokens, all_choice, gate), self.group, False)
         else:
             out = self.experts(tokens, choice, gate)
         return out.view_as(x)

@@ -13,7 +13,7 @@ checkpoints store: they load into any other layout.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from megashard._compat import _StridedShard
 from megashard.chunks import contiguous_strides
 from megashard.tensors.placements import resolve_placements
+
+if TYPE_CHECKING:
+    from megashard.state import ParallelState
 
 __all__ = ["parallelize", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
 
@@ -35,7 +38,7 @@ def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
     return {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
 
 
-def parallelize(model: nn.Module, state: Any, *, mp_policy: Optional[Any] = None,
+def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[Any] = None,
                 reshard_after_forward: bool = True) -> nn.Module:
     """Apply FSDP2 in place: experts over ``expt_dp``, each block and the root over ``state.fully_shard_mesh``.
 
@@ -71,7 +74,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def param_layout(p: torch.Tensor, state: Any) -> tuple[Any, tuple[Placement, ...], tuple[int, ...]]:
+def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Placement, ...], tuple[int, ...]]:
     """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
 
     Dense parameters live on ``state.fsdp_mesh`` (pp, dp_outer, dp_shard_cp, tp); experts on
@@ -93,7 +96,7 @@ def param_layout(p: torch.Tensor, state: Any) -> tuple[Any, tuple[Placement, ...
     return mesh, resolve_placements(proxy, mesh, global_shape=shape), shape
 
 
-def global_dtensor(local: torch.Tensor, p: torch.Tensor, state: Any) -> DTensor:
+def global_dtensor(local: torch.Tensor, p: torch.Tensor, state: ParallelState) -> DTensor:
     """Wrap ``local`` (this rank's FSDP shard of ``p``'s TP slice, or a tensor shaped like it) as the global DTensor."""
     mesh, placements, shape = param_layout(p, state)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),

@@ -3,7 +3,8 @@
 ``megashard run`` writes the job's fully resolved config (overrides applied) to ``<out_dir>/config.yaml``
 and launches this module, so every attempt after a restart reads exactly the same job.
 
-The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.train.lifeline`). A worker whose
+The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.train.lifeline`) and ends with
+:func:`megashard.state.end_distributed` (pooled groups, then the default group, before Python shuts down). A worker whose
 collective fails only because another worker died (:func:`megashard.train.agent.is_peer_loss`) prints
 nothing: it waits to be stopped by torchrun, which reports the failure in one line, and otherwise exits
 with :data:`~megashard.train.agent.EXIT_PEER_LOST`.
@@ -51,8 +52,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         del args[i: i + 2]
     import os
 
-    import torch.distributed as dist
-
     try:
         job = JobConfig.from_yaml(args[0], args[1:])
         if name:
@@ -71,8 +70,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(error_line("megashard run", e), file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from megashard.state import end_distributed
+
+        end_distributed()  # pooled groups, then the default group: no backend thread outlives Python
     return 0
 
 

@@ -53,12 +53,12 @@ def _hash56(fields: Mapping[str, Any]) -> int:
 
 
 def _device(group: Any) -> Any:
-    import torch
+    """Where the check's tensor lives: the current CUDA device on nccl, else the CPU."""
     import torch.distributed as dist
 
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from megashard.state.devices import current_device
+
+    return current_device("auto" if "nccl" in str(dist.get_backend(group)) else "cpu")
 
 
 def check_ranks_agree(fields: Mapping[str, Any], *, timeout: float, group: Any = None) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megashard._compat import autograd_checkpoint_valid
 from megashard.chunks import chunk_bounds, chunk_size
 from megashard.errors import StateError
-from megashard.random import _get_cuda_rng_state, _set_cuda_rng_state, get_cuda_rng_tracker
+from megashard.state.rng import _get_cuda_rng_state, _set_cuda_rng_state, get_cuda_rng_tracker
 
 __all__ = ["CheckpointFunction", "checkpoint"]
 
@@ -117,7 +117,7 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> tuple:
         if not autograd_checkpoint_valid():
             raise RuntimeError(
-                "megashard.recompute.checkpoint does not work with torch.autograd.grad(); use .backward()."
+                "megashard.state.recompute.checkpoint does not work with torch.autograd.grad(); use .backward()."
             )
         saved = list(ctx.saved_tensors)
         if ctx.distributed is not None:

@@ -1,4 +1,4 @@
-"""A global scratch-memory buffer: reuse one allocation per (name, dtype) instead of allocating per step.
+"""A scratch-memory buffer: reuse one allocation per (name, dtype) instead of allocating per step.
 
 Typical use is a communication or workspace buffer needed every step with the same shape::
 
@@ -7,6 +7,10 @@ Typical use is a communication or workspace buffer needed every step with the sa
 The returned tensor is a *view* of the buffer: its contents are garbage (like ``torch.empty``) and
 it is overwritten by the next ``get_tensor`` with the same name and dtype. Callers must not use two
 tensors of the same name at the same time.
+
+The "global" buffer (Megatron's name) belongs to the current :class:`~megashard.state.ParallelState`
+(``state.locals.memory_buffer``, on the state's device); before ``initialize()`` it is the process's detached one
+(:mod:`megashard.state.layout_locals`). ``megashard.destroy()`` frees it.
 """
 from __future__ import annotations
 
@@ -19,15 +23,9 @@ import torch
 
 from megashard.chunks import contiguous_strides
 from megashard.errors import ConfigError
+from megashard.state.devices import current_device
 
 __all__ = ["GlobalMemoryBuffer", "get_global_memory_buffer"]
-
-
-def _default_device() -> torch.device:
-    """The CUDA current device when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _checked_shape(tensor_shape: object, name: str) -> tuple[int, ...]:
@@ -51,7 +49,7 @@ class GlobalMemoryBuffer:
     """
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else current_device()
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._shapes: dict[tuple, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}  # shape -> (shape, numel, strides)
 
@@ -104,20 +102,8 @@ class GlobalMemoryBuffer:
         return sum(b.numel() * b.element_size() for b in self.buffer.values())
 
 
-_GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
-
-
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
-    """Return the process-wide :class:`GlobalMemoryBuffer`, created on first use."""
-    global _GLOBAL_MEMORY_BUFFER
-    if _GLOBAL_MEMORY_BUFFER is None:
-        _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
-    return _GLOBAL_MEMORY_BUFFER
+    """The current state's :class:`GlobalMemoryBuffer` (before ``initialize()``: the process's), created on first use."""
+    from megashard.state.current import current_locals
 
-
-def _reset_for_destroy() -> None:
-    """Drop the global buffer (called by ``megashard.state.destroy()``)."""
-    global _GLOBAL_MEMORY_BUFFER
-    if _GLOBAL_MEMORY_BUFFER is not None:
-        _GLOBAL_MEMORY_BUFFER.clear()
-    _GLOBAL_MEMORY_BUFFER = None
+    return current_locals().memory_buffer

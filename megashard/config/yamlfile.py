@@ -1,15 +1,19 @@
-"""YAML files and dotted command-line overrides (``parallel.tp=2``)."""
+"""YAML files and dotted command-line overrides (``parallel.tp=2``): how a config file becomes a mapping.
+
+:func:`load_yaml` is the one place a config file is read and parsed (once per process: ``megashard plan``,
+``megashard run`` and every worker each call it once), :func:`apply_overrides` applies ``key=value`` items to the
+parsed mapping, :func:`reject_unknown_keys` names misspelled keys of a section.
+"""
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import os
 from typing import Any, Iterable, Mapping
 
 import yaml
 
-from megashard.errors import ConfigError
+from megashard.errors import ConfigError, unknown_names
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -127,8 +131,5 @@ def reject_unknown_keys(cls: type, data: Mapping[str, Any], section: str) -> Non
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        msgs = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), names, n=1)
-            msgs.append(f"'{section}.{k}'" + (f" (did you mean '{section}.{close[0]}'?)" if close else ""))
-        raise ConfigError(f"unknown config key(s): {', '.join(msgs)}; valid keys of '{section}': {', '.join(names)}")
+        raise ConfigError(f"unknown config key(s): {unknown_names(unknown, names, prefix=section + '.')}; valid keys of "
+                          f"'{section}': {', '.join(names)}")

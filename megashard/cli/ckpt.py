@@ -1,0 +1,80 @@
+"""``megashard ckpt inspect|consolidate``: checkpoints offline, in one process (:mod:`megashard.checkpoint`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megashard.cli.options import add_actions
+from megashard.errors import error_line
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    """``megashard ckpt inspect|consolidate``."""
+    cmds = add_actions(
+        sub, "ckpt",
+        help="inspect a checkpoint, or consolidate it into one torch.save file (one process, any layout)",
+        description="Offline tools for checkpoints saved by megashard.checkpoint.save. See docs/checkpoint_io.md.",
+        epilog=(
+            "examples:\n"
+            "  megashard ckpt inspect out/checkpoints                 # newest complete checkpoint\n"
+            "  megashard ckpt inspect out/checkpoints/step_00000100 --format json --no-verify\n"
+            "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
+            "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
+        ),
+    )
+    i = cmds.add_parser(
+        "inspect", help="layout it was saved with, keys, shapes, dtypes, sizes, writers; verifies every file",
+        description="Describe a checkpoint without loading its tensors (DIR: a checkpoint or a root of step_N "
+        "checkpoints), after checking every file against the checksums recorded when it was saved.",
+        epilog="exit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint",
+    )
+    i.add_argument("dir", metavar="DIR", help="checkpoint directory, or a root (its newest complete checkpoint)")
+    i.add_argument("--format", "-f", choices=("table", "json"), default="table")
+    i.add_argument("--no-verify", action="store_true", help="compare file sizes only, do not read the data")
+    i.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
+    i.set_defaults(handler=_cmd_ckpt_inspect, parser=i)
+    c = cmds.add_parser(
+        "consolidate", help="write the full (unsharded) tensors into one torch.save file",
+        description="Gather every shard into full tensors, in one process, and write them to OUT "
+        "({'model': ..., 'optim': ...}; loadable with torch.load(OUT, weights_only=True)).",
+    )
+    c.add_argument("dir", metavar="DIR", help="checkpoint directory, or a root (its newest complete checkpoint)")
+    c.add_argument("out", metavar="OUT", help="output file (written to OUT.tmp, then renamed)")
+    c.add_argument("--keys", default=None, metavar="K1,K2", help="only these keys or prefixes (e.g. model)")
+    c.add_argument("--no-verify", action="store_true", help="check file sizes only, not checksums")
+    c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.set_defaults(handler=_cmd_ckpt_consolidate, parser=c)
+
+
+def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from megashard.checkpoint.consolidate import format_info, info_to_dict, inspect_checkpoint
+    from megashard.errors import CheckpointCorruptedError
+
+    try:
+        info = inspect_checkpoint(args.dir, verify=not args.no_verify, progress=not args.no_verify and sys.stderr.isatty())
+    except CheckpointCorruptedError as e:  # marker, .metadata or megashard.json damaged: nothing to describe
+        print(f"megashard ckpt inspect: damaged: {e}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        sys.stdout.write(json.dumps(info_to_dict(info)) + "\n")
+    else:
+        sys.stdout.write(format_info(info))
+    for problem in info.problems:
+        print(f"megashard ckpt inspect: damaged: {problem}", file=sys.stderr)
+    return 1 if info.problems else 0
+
+
+def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
+    from megashard.checkpoint.consolidate import consolidate
+    from megashard.errors import CheckpointCorruptedError
+
+    keys = {k.strip() for k in args.keys.split(",") if k.strip()} if args.keys else None
+    try:
+        summary = consolidate(args.dir, args.out, verify=not args.no_verify, progress=not args.quiet, keys=keys)
+    except CheckpointCorruptedError as e:
+        print(error_line(args.parser.prog, e), file=sys.stderr)
+        return 1
+    print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "
+          f"{summary['bytes'] / 1e6:.1f} MB) from {summary['path']}", file=sys.stderr)
+    return 0

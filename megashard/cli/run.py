@@ -1,0 +1,43 @@
+"""``megashard run CONFIG``: validate the example job in this process, then train it through torchrun
+(:mod:`megashard.train.launch`)."""
+from __future__ import annotations
+
+import argparse
+
+from megashard.cli.options import DEFAULT_CONFIG, add_config_arguments
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    """``megashard run``."""
+    p = sub.add_parser(
+        "run",
+        help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
+        description=(
+            "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
+            "process, then start the job with PyTorch's elastic launcher (python -m megashard.train.agent: "
+            "torch.distributed.run with one-line failure reports; it and the workers die with this launcher): "
+            "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
+            "Slurm variables when present. Rank 0 shows a progress bar; outputs go to train.out_dir "
+            "(metrics.jsonl, loss.png, checkpoints/). See docs/train.md."
+        ),
+        epilog=(
+            "examples:\n"
+            f"  megashard run {DEFAULT_CONFIG}\n"
+            f"  megashard run {DEFAULT_CONFIG} train.steps=50 parallel.tp=1 parallel.dp_shard=4\n"
+            "  megashard run configs/hsdp.yaml launch.max_restarts=2\n"
+            f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
+            "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage, or a checkpoint directory another live "
+            "job holds (no process started)"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p, f"job YAML (e.g. {DEFAULT_CONFIG}); see docs/config.md",
+                         "dotted overrides, e.g. train.steps=20 parallel.tp=1 launch.nproc_per_node=2")
+    p.add_argument("--dry-run", action="store_true", help="validate, print the torchrun command, start nothing")
+    p.set_defaults(handler=_cmd_run, parser=p, accepts_overrides=True)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from megashard.train.launch import run
+
+    return run(args.config, args.overrides, dry_run=args.dry_run)

@@ -1,0 +1,196 @@
+"""`ParallelConfig`: the parallel layout of a training job, from YAML, a dict or Python.
+
+Sizes follow Megatron-LM's names. The dense layout is ``world = tp · cp · dp · pp`` with
+``dp = dp_outer · dp_shard`` (HSDP: FSDP shards over dp_shard·cp, replicas over dp_outer); the expert
+layout re-partitions the same ranks as ``world = expt_tp · ep · expt_dp · pp`` ("MoE parallel folding").
+Any one size may be ``-1`` ("whatever is left"); ``dp``, ``dp_shard`` and ``expt_dp`` default to ``-1``
+and are derived.
+
+A config is checked once, when it is built (:meth:`ParallelConfig.validate` from ``__post_init__``), and is frozen
+afterwards, so it stays valid; :meth:`ParallelConfig.resolve` turns it and a world size into
+:class:`~megashard.config.sizes.ResolvedSizes`, raising :class:`~megashard.errors.ConfigError` for anything that
+does not fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from megashard.config.sizes import MAX_WORLD_SIZE, ORDER_TOKENS, ResolvedSizes, resolve_sizes
+from megashard.errors import ConfigError, unknown_names
+
+BACKENDS = ("auto", "nccl", "gloo", "fake")
+DEVICES = ("auto", "cpu", "cuda")
+#: Largest process-group timeout in seconds (~31 years; larger values overflow torch's timedelta handling).
+MAX_TIMEOUT = 1e9
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks of a job are split into parallel axes.
+
+    Every size is a positive integer up to MAX_WORLD_SIZE (2^24) or ``-1`` (at most one free size per layout:
+    derived from the world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies
+    fastest). Checked once, at construction (:meth:`validate`): an invalid value raises ConfigError right away.
+    Frozen: change a field with ``dataclasses.replace(config, tp=4)`` (which checks the new config).
+    """
+
+    tp: int = 1
+    """Tensor-parallel size. Must divide the world size; TP-sharded tensor dims must divide by it."""
+    cp: int = 1
+    """Context-parallel size (sequence split across ranks)."""
+    pp: int = 1
+    """Pipeline-parallel size (number of stages)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); needs ``pp > 1``. ``None`` = not interleaved."""
+    dp: int = -1
+    """Data-parallel size = world / (tp·cp·pp). Derived when ``-1``; checked when given."""
+    dp_outer: int = 1
+    """HSDP replica count: data-parallel replicas that each hold a full FSDP-sharded copy. Must divide dp."""
+    dp_shard: int = -1
+    """FSDP shard count inside one replica = dp / dp_outer. Derived when ``-1``."""
+    ep: int = 1
+    """Expert-parallel size. ``ep · expt_tp`` must divide ``tp·cp·dp`` (the ranks of one pipeline stage)."""
+    expt_tp: int = 1
+    """Expert tensor-parallel size. Defaults to 1, *not* to tp (an implicit tp default causes divisibility surprises)."""
+    expt_dp: int = -1
+    """Expert data-parallel size = world / (expt_tp·ep·pp). Derived when ``-1``."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Megatron rank order: axis tokens joined by ``-``, leftmost varies fastest. Tokens: tp, cp, ep, dp, pp;
+    a token of an axis with size > 1 must appear; missing size-1 tokens are appended."""
+    backend: str = "auto"
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl``, ``gloo`` or ``fake`` (simulation).
+    ``nccl`` needs ``device`` cuda or auto (and, when a job starts, CUDA devices)."""
+    device: str = "auto"
+    """Device type of the meshes: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
+    timeout: float = 600.0
+    """Timeout of every process group megashard creates, in seconds (0 < timeout ≤ 1e9)."""
+    seed: int = 1234
+    """Base random seed (data-parallel stream = seed; model-parallel = seed + 2718 + tp_rank)."""
+    create_gloo_process_groups: bool = True
+    """With a backend other than gloo (nccl): also create a gloo twin of every group at initialisation, for CPU-side
+    work (``ParallelState.gloo_group``, Megatron's ``get_data_parallel_group_gloo``). On gloo the twin is the group
+    itself, and ``fake`` simulations create none."""
+
+    def __post_init__(self) -> None:
+        # Invalid values fail where they are written, and only here: the config is frozen, so resolve() and
+        # ParallelState trust it.
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "parallel") -> "ParallelConfig":
+        """Build from a mapping, rejecting unknown keys with a "did you mean"."""
+        from megashard.config.yamlfile import reject_unknown_keys
+
+        data = dict(data or {})
+        reject_unknown_keys(cls, data, where)
+        return cls(**data)  # validated by __post_init__
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Iterable[str] = ()) -> "ParallelConfig":
+        """Read the ``parallel:`` section of a YAML file (or the whole file if it has none), then apply
+        dotted ``parallel.key=value`` overrides."""
+        from megashard.config import yamlfile
+
+        doc = yamlfile.apply_overrides(yamlfile.load_yaml(path), overrides)
+        return cls.from_dict(parallel_section(doc, path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check what can be checked without a world size (types, ranges, order, backend); run once, by
+        ``__post_init__``."""
+        ints = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "seed")
+        for name in ints:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name}={v!r} must be an integer")
+        sizes = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")
+        for name in sizes:
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ConfigError(f"{name}={v} is not a valid size; use a positive integer or -1 (derive it)")
+            if v > MAX_WORLD_SIZE:
+                raise ConfigError(f"{name}={v:,} is larger than the largest world size megashard supports "
+                                  f"({MAX_WORLD_SIZE:,} ranks); use a positive integer up to it, or -1 (derive it)")
+        dense_free = [n for n in ("tp", "cp", "pp", "dp_outer") if getattr(self, n) == -1]
+        if len(dense_free) > 1:
+            raise ConfigError(
+                f"at most one size may be -1, but {', '.join(f'{n}=-1' for n in dense_free)}; give all but one explicitly"
+            )
+        if dense_free and self.dp == -1 and self.dp_shard == -1:
+            raise ConfigError(
+                f"{dense_free[0]}=-1 needs dp or dp_shard to be given (dp and dp_shard are derived by default, "
+                "so only one size can be free)"
+            )
+        expert_free = [n for n in ("ep", "expt_tp") if getattr(self, n) == -1]
+        if len(expert_free) > 1 or (expert_free and self.expt_dp == -1):
+            raise ConfigError(
+                f"{' and '.join(n + '=-1' for n in expert_free)} with expt_dp={self.expt_dp}: at most one expert size "
+                "(ep, expt_tp, expt_dp) may be -1; expt_dp is derived by default, so give it to make ep or expt_tp free"
+            )
+        if self.vpp is not None:
+            if isinstance(self.vpp, bool) or not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ConfigError(f"vpp={self.vpp!r} must be a positive integer or null")
+            if self.vpp > 1 and self.pp == 1:
+                raise ConfigError(f"vpp={self.vpp} needs pipeline parallelism, but pp=1; set pp > 1 or vpp: null")
+        if not isinstance(self.order, str):
+            raise ConfigError(f"order={self.order!r} must be a string such as 'tp-cp-ep-dp-pp'")
+        tokens = self.order.lower().split("-")
+        bad = [t for t in tokens if t not in ORDER_TOKENS]
+        if bad:
+            raise ConfigError(
+                f"order='{self.order}' has unknown token(s) {unknown_names(bad, ORDER_TOKENS)}; tokens are "
+                f"{', '.join(ORDER_TOKENS)}"
+            )
+        dup = sorted({t for t in tokens if tokens.count(t) > 1})
+        if dup:
+            raise ConfigError(f"order='{self.order}' repeats {', '.join(dup)}; each axis may appear once")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not supported; valid: {', '.join(BACKENDS)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not supported; valid: {', '.join(DEVICES)}")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend='nccl' runs on CUDA devices only, but device='cpu'; use backend 'gloo' "
+                              "(or 'auto') on CPU, or device 'cuda' (or 'auto') with nccl")
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or not 0 < self.timeout <= MAX_TIMEOUT):  # also refuses nan and inf
+            raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, at most {MAX_TIMEOUT:.0e}")
+        if not isinstance(self.create_gloo_process_groups, bool):
+            raise ConfigError(f"create_gloo_process_groups={self.create_gloo_process_groups!r} must be true or false")
+
+    def full_order(self) -> list[str]:
+        """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule)."""
+        tokens = self.order.lower().split("-")
+        return tokens + [t for t in ORDER_TOKENS if t not in tokens]
+
+    def resolve(self, world_size: int) -> ResolvedSizes:
+        """All sizes for ``world_size`` ranks, every ``-1`` filled in; raises ConfigError naming the rule broken.
+
+        The one step from a config to sizes (:func:`~megashard.config.sizes.resolve_sizes`); the config itself was
+        checked when it was built and is frozen, so nothing is validated twice."""
+        return resolve_sizes(self, world_size)
+
+
+
+def parallel_section(doc: Mapping[str, Any], path: str = "config") -> Mapping[str, Any]:
+    """The ``parallel:`` mapping of a job YAML, or the whole document when it is a bare parallel config
+    (every key a ParallelConfig field); ConfigError for anything else, e.g. a mistyped ``paralel:``."""
+    if "parallel" in doc:
+        section = doc["parallel"]
+        if section is None:
+            return {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{path}: section 'parallel' must be a mapping of keys, got {type(section).__name__} "
+                              f"{section!r}")
+        return section
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    if all(k in names for k in doc):
+        return doc
+    hints = unknown_names([k for k in doc if k not in names], ["parallel"], cutoff=0.7)
+    raise ConfigError(f"{path}: no 'parallel' section; unknown section(s) {hints}; a bare parallel config "
+                      f"may hold only the keys {', '.join(names)}")

@@ -1,0 +1,196 @@
+"""Resolved sizes: every axis size of a parallel config for one world size (the step after parsing).
+
+:func:`resolve_sizes` (called as :meth:`ParallelConfig.resolve <megashard.config.ParallelConfig.resolve>`) fills
+every ``-1`` of a validated config for a world size and checks that the sizes fit it, raising
+:class:`~megashard.errors.ConfigError` naming the rule broken; :class:`ResolvedSizes` is what it returns and
+what :class:`~megashard.layout.RankLayout` is built from.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megashard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megashard.config.parallel import ParallelConfig
+
+#: Axis tokens allowed in ``order`` (Megatron's RankGenerator tokens).
+ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+#: Largest world size megashard plans or initialises: 2^24 = 16,777,216 ranks (far beyond any machine; it
+#: bounds the cost of per-rank work such as meshes and listing groups).
+MAX_WORLD_SIZE = 1 << 24
+
+
+def _divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` in increasing order, in O(sqrt(n)) steps (n may be huge in an error message)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def fmt_divisors(n: int, limit: int = 16) -> str:
+    """The divisors of ``n`` for an error message ("valid tp: 1, 2, 4"), the middle elided beyond ``limit``."""
+    if n > 1 << 40:  # a user's typo, e.g. a batch of 10^15: list the small divisors only (O(2^16) steps)
+        return ", ".join(str(d) for d in range(1, 1 << 16) if n % d == 0)[:200] + ", …"
+    ds = _divisors(n)
+    if len(ds) > limit:
+        ds = ds[: limit // 2] + ["…"] + ds[-limit // 2 :]  # type: ignore[list-item]
+    return ", ".join(str(d) for d in ds)
+
+
+def check_world_size(world_size: Any, what: str = "world size") -> None:
+    """ConfigError unless ``world_size`` is an integer in 1..MAX_WORLD_SIZE."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"{what} {world_size!r} must be a positive integer")
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"{what} {world_size:,} is larger than megashard's maximum of {MAX_WORLD_SIZE:,} ranks (2^24)")
+
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    """Every axis size for one world size; produced by :meth:`ParallelConfig.resolve`."""
+
+    world_size: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    dp_outer: int
+    dp_shard: int
+    ep: int
+    expt_tp: int
+    expt_dp: int
+    vpp: int | None = None
+    order: tuple[str, ...] = field(default=("tp", "cp", "ep", "dp", "pp"))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["order"] = "-".join(self.order)
+        return d
+
+
+def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
+    """All sizes of ``config`` (validated when it was built) for ``world_size`` ranks, every ``-1`` filled in;
+    raises ConfigError naming the rule broken. Pure arithmetic: the config is not checked again."""
+    check_world_size(world_size)
+    W = world_size
+    tp, cp, pp, dp, dpo, dps = config.tp, config.cp, config.pp, config.dp, config.dp_outer, config.dp_shard
+
+    # dp = dp_outer · dp_shard: fill one from the other two when possible.
+    if dp != -1 and dpo != -1 and dps == -1:
+        if dp % dpo:
+            raise ConfigError(
+                f"data parallel size dp={dp} must be divisible by dp_outer={dpo}; valid dp_outer: {fmt_divisors(dp)}"
+            )
+        dps = dp // dpo
+    elif dp != -1 and dps != -1 and dpo == -1:
+        if dp % dps:
+            raise ConfigError(
+                f"data parallel size dp={dp} must be divisible by dp_shard={dps}; valid dp_shard: {fmt_divisors(dp)}"
+            )
+        dpo = dp // dps
+    elif dp == -1 and dpo != -1 and dps != -1:
+        dp = dpo * dps
+    dense = {"tp": tp, "cp": cp, "pp": pp, "dp_outer": dpo, "dp_shard": dps}
+    free = [k for k, v in dense.items() if v == -1]
+    fixed = 1
+    for k, v in dense.items():
+        if v != -1:
+            fixed *= v
+    if len(free) > 1:  # only possible as dp given with dp_outer=-1 and dp_shard=-1
+        raise ConfigError(
+            f"{' and '.join(n + '=-1' for n in free)} with dp={dp}: give dp_outer or dp_shard so the split of dp is known"
+        )
+    if free:
+        name = free[0]
+        if W % fixed:
+            known = "·".join(f"{k}={v}" for k, v in dense.items() if v != -1)
+            raise ConfigError(
+                f"world size {W} is not divisible by {known} = {fixed}; "
+                f"valid products for this world: {fmt_divisors(W)}"
+            )
+        dense[name] = W // fixed
+    else:
+        if fixed != W and config.dp != -1 and W % (tp * cp * pp) == 0:
+            raise ConfigError(
+                f"dp={config.dp} does not match world/(tp·cp·pp) = {W}/({tp}·{cp}·{pp}) = {W // (tp * cp * pp)}; "
+                "set dp: -1 to derive it"
+            )
+        if fixed != W:
+            others = tp * cp * pp * dpo
+            fix = (f"; to let FSDP take the rest, set dp_shard=-1 (parallel.dp_shard=-1 on the command line; "
+                   f"here dp_shard={W // others})" if W % others == 0 else
+                   f"; tp·cp·pp·dp_outer = {others} does not divide {W} either: choose sizes whose product divides "
+                   f"it (divisors: {fmt_divisors(W)})")
+            raise ConfigError(
+                f"tp·cp·pp·dp_outer·dp_shard = {tp}·{cp}·{pp}·{dpo}·{dps} = {fixed} must equal the world size {W}"
+                + fix
+            )
+    tp, cp, pp, dpo, dps = (dense[k] for k in ("tp", "cp", "pp", "dp_outer", "dp_shard"))
+    dp_resolved = dpo * dps
+    if dp != -1 and dp != dp_resolved:
+        raise ConfigError(
+            f"dp={dp} does not match world/(tp·cp·pp) = {W}/({tp}·{cp}·{pp}) = {dp_resolved}; set dp: -1 to derive it"
+        )
+
+    # Expert layout: expt_tp · ep · expt_dp = tp · cp · dp (the ranks of one pipeline stage).
+    stage = tp * cp * dp_resolved
+    ep, etp, edp = config.ep, config.expt_tp, config.expt_dp
+    if etp == -1:
+        if stage % (ep * edp):
+            raise ConfigError(
+                f"ep·expt_dp = {ep}·{edp} = {ep * edp} must divide dp·cp·tp = {stage}; "
+                f"valid ep·expt_dp: {fmt_divisors(stage)}"
+            )
+        etp = stage // (ep * edp)
+    if stage % etp:
+        raise ConfigError(
+            f"expt_tp={etp} must divide dp·cp·tp = {dp_resolved}·{cp}·{tp} = {stage}; valid: {fmt_divisors(stage)}"
+        )
+    if ep == -1:
+        if (stage // etp) % edp:
+            raise ConfigError(
+                f"expt_dp={edp} must divide dp·cp·tp/expt_tp = {stage // etp}; valid: {fmt_divisors(stage // etp)}"
+            )
+        ep = stage // etp // edp
+    if (stage // etp) % ep:
+        raise ConfigError(
+            f"ep={ep} must divide dp·cp·tp/expt_tp = {stage // etp}; valid: {fmt_divisors(stage // etp)}"
+        )
+    derived_edp = stage // (etp * ep)
+    if edp != -1 and edp != derived_edp:
+        raise ConfigError(
+            f"expt_dp={edp} does not match dp·cp·tp/(expt_tp·ep) = {stage}/({etp}·{ep}) = {derived_edp}; "
+            "set expt_dp: -1 to derive it"
+        )
+    edp = derived_edp
+    order = config.full_order()
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp_resolved, "pp": pp}
+    missing = [t for t in ORDER_TOKENS if t not in config.order.lower().split("-") and sizes[t] > 1]
+    if missing:
+        raise ConfigError(
+            f"order='{config.order}' omits {', '.join(f'{t} (size {sizes[t]})' for t in missing)}; "
+            "every axis with size > 1 must appear in order"
+        )
+    # Megatron's rule: with pp not last, dense and expert dp must match so that the pp groups agree.
+    if pp > 1 and order[-1] != "pp" and edp != dp_resolved and ep == 1 and config.expt_tp == 1:
+        # No experts: fold the (unused) expert layout onto the dense one, as Megatron's default
+        # expt_tp = tp does, so that its pipeline groups agree.
+        etp, edp = tp * cp, dp_resolved
+    if pp > 1 and order[-1] != "pp" and edp != dp_resolved:
+        raise ConfigError(
+            f"order='{config.order}' does not end with pp, so the dense and expert pipeline groups differ unless "
+            f"expt_dp ({edp}) equals dp ({dp_resolved}); put pp last or choose ep·expt_tp = tp·cp"
+        )
+    return ResolvedSizes(
+        world_size=W, tp=tp, cp=cp, pp=pp, dp=dp_resolved, dp_outer=dpo, dp_shard=dps,
+        ep=ep, expt_tp=etp, expt_dp=edp, vpp=config.vpp, order=tuple(order),
+    )

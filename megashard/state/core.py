@@ -1,0 +1,274 @@
+"""`ParallelState`: the process groups, device meshes and per-layout state of one job, built from a layout.
+
+The flow ends here: ``ParallelConfig.resolve(world)`` → ``ResolvedSizes`` → ``RankLayout(sizes)`` →
+``ParallelState(config, layout)`` (without a layout the state resolves the config itself, once).
+
+A rank creates only the groups it belongs to (``new_group(..., use_local_synchronization=True)``, through the
+communicator pool of :mod:`megashard.state.pool`), each rank set once (``hsdp`` and ``dp_cp`` share a
+communicator), every one with the configured timeout; on a non-gloo backend also their gloo twins, when the config
+asks for them. DeviceMeshes are assembled over those groups (:mod:`megashard.state.meshes`) — never by ``_flatten``.
+
+Meshes (every axis present, size 1 included):
+
+- ``dense_mesh``  — axes ``(pp, dp_outer, dp_shard, cp, tp)``
+- ``expert_mesh`` — axes ``(pp, expt_dp, ep, expt_tp)``
+- ``fsdp_mesh``   — axes ``(pp, dp_outer, dp_shard_cp, tp)``: the root to slice for FSDP/HSDP + TP,
+  so that FSDP2 and TP DTensors share one root mesh.
+- ``mesh(name)``  — a 1-D mesh for any group name (``dp``, ``dp_cp``, ``tp_ep`` …).
+
+Per-layout state — the RNG tracker, the memory buffer, the virtual-pipeline rank — lives in ``state.locals``
+(:mod:`megashard.state.layout_locals`), so several states can coexist (e.g. for multi-module models); the current
+one, which the Megatron-style functions use, is kept by :mod:`megashard.state.current`.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from megashard._compat import mesh_release_groups
+from megashard.config import ParallelConfig
+from megashard.errors import ConfigError, StateError, did_you_mean
+from megashard.layout import GROUP_NAMES, RankLayout
+from megashard.state.devices import current_device
+from megashard.state.layout_locals import LayoutLocals
+from megashard.state.meshes import VIEW_AXES, build_view
+from megashard.state.pool import pooled_group
+
+if TYPE_CHECKING:
+    from megashard.state.index import FSDPDistributedIndex
+
+__all__ = ["ParallelState"]
+
+
+class ParallelState:
+    """Process groups, device meshes and per-rank state of one parallel layout.
+
+    Args:
+        config: the parallel config (timeout, backend, device, gloo twins; validated when it was built).
+        layout: its :class:`~megashard.layout.RankLayout` for the default group's world size, when the caller has
+            resolved it already (e.g. from :meth:`JobConfig.validate <megashard.train.config.JobConfig.validate>`);
+            ``None`` = resolve ``config`` here, once.
+        device_type: device of the meshes (``"cpu"``/``"cuda"``); default from ``config.device``.
+        agree_on: more fields every rank must agree on (e.g. the rest of a job config, as dotted keys),
+            compared together with ``config`` and the megashard and torch versions.
+
+    Creation is collective: first every rank checks, in one small collective on the default group with
+    ``config.timeout``, that its config and versions equal rank 0's (:mod:`megashard.state.agreement`; a
+    difference raises :class:`~megashard.errors.RankMismatchError` on every rank, naming ranks and fields),
+    then it creates the groups it belongs to.
+    """
+
+    def __init__(self, config: ParallelConfig, layout: RankLayout | None = None, *, device_type: str | None = None,
+                 agree_on: Mapping[str, Any] | None = None):
+        if not dist.is_initialized():
+            raise StateError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group (or "
+                "megashard.state.init_distributed(config)) before creating a ParallelState"
+            )
+        from megashard.state.agreement import check_ranks_agree, fingerprint
+
+        # The config was checked when it was built (it is frozen); the sizes are resolved after the ranks agree.
+        check_ranks_agree(fingerprint(config, agree_on), timeout=config.timeout)
+        self.config = config
+        self.world_size = dist.get_world_size()
+        self.global_rank = dist.get_rank()
+        if layout is None:
+            layout = RankLayout(config.resolve(self.world_size))
+        elif layout.world_size != self.world_size:
+            raise ConfigError(f"ParallelState: the layout was resolved for {layout.world_size} ranks, but the default "
+                              f"process group has {self.world_size}")
+        self.layout = layout
+        self.sizes = layout.sizes
+        self.device_type = device_type or current_device(config.device).type
+        #: the RNG tracker, memory buffer and virtual-pipeline rank of this layout
+        self.locals = LayoutLocals(self.device_type)
+        self._timeout = timedelta(seconds=config.timeout)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._gloo_twins: dict[str, dist.ProcessGroup] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
+        self._views: dict[str, DeviceMesh] = {}
+        self._destroyed = False
+        self._create_groups()
+
+    # ------------------------------------------------------------------ construction
+    def _create_groups(self) -> None:
+        by_ranks: dict[tuple[int, ...] | str, dist.ProcessGroup] = {}
+        created = 0
+        for name in GROUP_NAMES:
+            if self.layout.size(name) == self.world_size:
+                # The default group already spans the world (and listing W ranks would cost O(W)).
+                self._groups[name] = by_ranks["world"] = dist.group.WORLD
+                continue
+            ranks = tuple(self.layout.group_of(name, self.global_rank))
+            pg = by_ranks.get(ranks)
+            if pg is None:
+                # Only members call: no rank waits on groups it is not part of.
+                pg, new = pooled_group(ranks, self._timeout, None, f"megashard:{name}")
+                created += new
+                by_ranks[ranks] = pg
+            self._groups[name] = pg
+        if self._wants_gloo_twins():
+            created += self._create_gloo_twins()
+        #: communicators this rank created for this state (0 when re-using pooled ones)
+        self.groups_created = created
+        #: distinct communicators this state uses (gloo twins not counted)
+        self.groups_used = len(by_ranks)
+
+    def _wants_gloo_twins(self) -> bool:
+        # On gloo a group is its own twin; a `fake` simulation creates no communicator at all.
+        return self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
+
+    def _create_gloo_twins(self) -> int:
+        """A gloo group with the members of every group, during initialisation (every rank makes the same calls,
+        members only, pooled), so that ``gloo_group`` is a lookup on any code path."""
+        by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        created = 0
+        for name in GROUP_NAMES:
+            ranks = tuple(self.layout.group_of(name, self.global_rank))
+            if ranks not in by_ranks:
+                by_ranks[ranks], new = pooled_group(ranks, self._timeout, "gloo", f"megashard:{name}:gloo")
+                created += new
+            self._gloo_twins[name] = by_ranks[ranks]
+        return created
+
+    def _view(self, view: str) -> DeviceMesh:
+        mesh = self._views.get(view)
+        if mesh is None:
+            self._check_alive()
+            mesh = self._views[view] = build_view(self.layout, view, self._groups, self.device_type)
+        return mesh
+
+    # ------------------------------------------------------------------ meshes
+    @property
+    def dense_mesh(self) -> DeviceMesh:
+        """Axes ``(pp, dp_outer, dp_shard, cp, tp)``."""
+        return self._view("dense")
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """Axes ``(pp, expt_dp, ep, expt_tp)``."""
+        return self._view("expert")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Axes ``(pp, dp_outer, dp_shard_cp, tp)``: slice it for FSDP2 + TP so both share one root."""
+        return self._view("fsdp")
+
+    @property
+    def fully_shard_mesh(self) -> DeviceMesh:
+        """The mesh to hand to ``fully_shard``: 1-D ``dp_shard_cp`` (FSDP), or 2-D ``(dp_outer, dp_shard_cp)``
+        (HSDP) when ``dp_outer > 1``. Never a 2-D ``(dp_shard, cp)`` slice, which FSDP would read as HSDP."""
+        if self.sizes.dp_outer > 1:
+            return self.fsdp_mesh["dp_outer", "dp_shard_cp"]
+        return self.fsdp_mesh["dp_shard_cp"]
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """A 1-D DeviceMesh of the group ``name`` (any of :data:`GROUP_NAMES`)."""
+        self._check_name(name)
+        m = self._meshes.get(name)
+        if m is None:
+            self._check_alive()
+            if name in VIEW_AXES["fsdp"]:
+                m = self.fsdp_mesh[name]
+            elif name in ("dp_shard", "cp"):
+                m = self.dense_mesh[name]
+            elif name in ("ep", "expt_dp", "expt_tp"):
+                m = self.expert_mesh[name]
+            else:
+                m = DeviceMesh.from_group(self._groups[name], self.device_type, mesh_dim_names=(name,))
+            self._meshes[name] = m
+        return m
+
+    # ------------------------------------------------------------------ groups
+    def _check_name(self, name: str) -> None:
+        if name not in self._groups:
+            raise ConfigError(f"unknown group '{name}'{did_you_mean(name, GROUP_NAMES)}; valid: {', '.join(GROUP_NAMES)}")
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise StateError("this ParallelState has been destroyed; create a new one with megashard.initialize()")
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of ``name`` that this rank belongs to."""
+        self._check_alive()
+        self._check_name(name)
+        return self._groups[name]
+
+    def gloo_group(self, name: str) -> dist.ProcessGroup:
+        """A gloo group with the members of ``name`` for CPU-side work (a lookup: no collective).
+
+        On a gloo job this is the group itself. On other backends the twins are created during initialisation
+        when ``config.create_gloo_process_groups`` is true (the default); otherwise this raises StateError.
+        """
+        pg = self.group(name)
+        if dist.get_backend(pg) == "gloo":
+            return pg
+        twin = self._gloo_twins.get(name)
+        if twin is None:
+            backend = dist.get_backend(pg)
+            why = ("a 'fake' simulation creates no communicators" if backend == "fake" else
+                   "parallel.create_gloo_process_groups is false; set it to true (ParallelConfig("
+                   "create_gloo_process_groups=True)) to create them at initialisation")
+            raise StateError(f"no gloo twin of group '{name}' on this {backend} job: {why}")
+        return twin
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's ``name`` group, in group-rank order."""
+        self._check_name(name)
+        return self.layout.group_of(name, self.global_rank)
+
+    def rank_in(self, name: str) -> int:
+        """This rank's index inside its ``name`` group."""
+        self._check_name(name)
+        return self.layout.rank_in(name, self.global_rank)
+
+    def size(self, name: str) -> int:
+        """Size of the ``name`` groups."""
+        self._check_name(name)
+        return self.layout.size(name)
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every axis (dense and expert)."""
+        return self.layout.coords(self.global_rank)
+
+    # ------------------------------------------------------------------ FSDP view
+    def fsdp_index(self, hsdp_outer_dp_shard: bool = False) -> "FSDPDistributedIndex":
+        """An :class:`~megashard.state.index.FSDPDistributedIndex` over ``fsdp_mesh`` (and the expert view)."""
+        from megashard.state.index import FSDPDistributedIndex
+
+        hybrid = self.sizes.dp_outer > 1
+        return FSDPDistributedIndex(
+            self.fsdp_mesh,
+            dp_shard_dim="dp_shard_cp",
+            dp_outer_dim="dp_outer" if hybrid else None,
+            tp_dim="tp",
+            hybrid_fsdp_group=self._groups["hsdp"] if hybrid else None,
+            hsdp_outer_dp_shard=hsdp_outer_dp_shard,
+            expt_device_mesh=self._view("expert_fsdp"),
+            hybrid_fsdp_expt_group=self._groups["expt_dp"] if hybrid else None,
+        )
+
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Forget every group and mesh of this state and drop its RNG tracker, memory buffer and virtual-pipeline
+        rank (communicators stay pooled for re-use). Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        for mesh in (*self._views.values(), *self._meshes.values()):
+            mesh_release_groups(mesh)  # DTensor caches may keep a mesh alive: not its groups
+        self._meshes.clear()
+        self._views.clear()
+        self._groups.clear()
+        self._gloo_twins.clear()
+        self.locals.reset()
+
+    def __repr__(self) -> str:
+        s = self.sizes
+        return (
+            f"ParallelState(rank={self.global_rank}/{self.world_size}, tp={s.tp}, cp={s.cp}, pp={s.pp}, "
+            f"dp={s.dp} (outer {s.dp_outer} x shard {s.dp_shard}), ep={s.ep}, expt_tp={s.expt_tp}, expt_dp={s.expt_dp})"
+        )

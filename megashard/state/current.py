@@ -1,0 +1,89 @@
+"""The current :class:`~megashard.state.ParallelState`: what the module-level functions and Megatron's facade use.
+
+``initialize()`` creates a state and makes it current, ``get_parallel_state()`` returns it, ``set_parallel_state()``
+swaps it (e.g. while running one module of a multi-module model), ``destroy()`` tears it down. Other states can
+exist next to it — pass them around explicitly.
+
+:func:`current_locals` is the per-layout state (RNG tracker, memory buffer, virtual-pipeline rank) the Megatron-style
+functions act on: the current state's, or, without a current state, a *detached* one of the process, so that
+``get_cuda_rng_tracker()`` and ``get_global_memory_buffer()`` work before ``initialize()`` as they do in
+Megatron-LM. ``initialize()`` hands the detached one's contents to the state it creates (a tracker seeded before
+it keeps its streams), and ``destroy()`` empties both.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from megashard.config import ParallelConfig
+from megashard.errors import ConfigError, StateError
+from megashard.layout import RankLayout
+from megashard.state.core import ParallelState
+from megashard.state.devices import init_distributed
+from megashard.state.layout_locals import LayoutLocals
+
+__all__ = ["current_locals", "destroy", "get_parallel_state", "initialize", "is_initialized", "set_parallel_state"]
+
+_CURRENT: ParallelState | None = None
+#: The per-layout state used while no state is current (before initialize, after destroy).
+_DETACHED = LayoutLocals()
+
+
+def initialize(config: ParallelConfig | None = None, *, layout: RankLayout | None = None,
+               agree_on: Mapping[str, Any] | None = None, **sizes: Any) -> ParallelState:
+    """Create the current :class:`ParallelState` (initialising torch.distributed from the environment if needed).
+
+    ``initialize(ParallelConfig(tp=2))`` or ``initialize(tp=2, pp=2)``. ``layout``: the config's
+    :class:`~megashard.layout.RankLayout` when already resolved (not resolved again); ``agree_on``: more fields
+    every rank must agree on (see :class:`ParallelState`).
+    """
+    global _CURRENT
+    if config is None:
+        config = ParallelConfig.from_dict(sizes)
+    elif sizes:
+        raise ConfigError(f"pass either a ParallelConfig or sizes, not both (got extra {sorted(sizes)})")
+    if _CURRENT is not None:
+        raise StateError(
+            "megashard is already initialised; call megashard.destroy() first (or keep the returned "
+            "ParallelState and create another one directly with ParallelState(config))"
+        )
+    init_distributed(config)
+    state = ParallelState(config, layout, agree_on=agree_on)
+    state.locals.take_over(_DETACHED)  # what the facade set up before initialize() belongs to this state now
+    _CURRENT = state
+    return state
+
+
+def is_initialized() -> bool:
+    """Whether a current state exists."""
+    return _CURRENT is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The current state; raises StateError before `initialize` or after `destroy`."""
+    if _CURRENT is None:
+        raise StateError("megashard parallel state is not initialised: call megashard.initialize(config) first")
+    return _CURRENT
+
+
+def set_parallel_state(state: ParallelState | None) -> ParallelState | None:
+    """Make ``state`` current (e.g. while running one module of a multi-module model); returns the previous one."""
+    global _CURRENT
+    prev, _CURRENT = _CURRENT, state
+    return prev
+
+
+def current_locals() -> LayoutLocals:
+    """The RNG tracker, memory buffer and virtual-pipeline rank the module-level functions use: the current
+    state's, or the process's detached ones when no state is current."""
+    state = _CURRENT
+    return state.locals if state is not None else _DETACHED
+
+
+def destroy() -> None:
+    """Tear down the current state: its groups, meshes, RNG tracker, memory buffer and virtual-pipeline rank (and
+    whatever the module-level functions held without a state). Safe to call twice."""
+    global _CURRENT
+    state, _CURRENT = _CURRENT, None
+    if state is not None:
+        state.destroy()
+    _DETACHED.reset()

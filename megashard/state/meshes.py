@@ -1,0 +1,66 @@
+"""The device meshes of a state: root views assembled over its process groups, never by ``_flatten``.
+
+A view is a multi-axis ``DeviceMesh`` whose every axis is one of the state's groups (``DeviceMesh.from_group``),
+so no rank creates a group it is not in and every group keeps the configured timeout. The rank tensor of a view
+comes from the layout's grid in one permute:
+
+- ``dense``       — axes ``(pp, dp_outer, dp_shard, cp, tp)``
+- ``expert``      — axes ``(pp, expt_dp, ep, expt_tp)``
+- ``fsdp``        — axes ``(pp, dp_outer, dp_shard_cp, tp)``: the root to slice for FSDP/HSDP + TP
+- ``expert_fsdp`` — axes ``(pp, ep, dp_shard_cp, tp)`` with dp_shard_cp = expt_dp and tp = expt_tp (the names
+  :class:`~megashard.state.index.FSDPDistributedIndex` looks up)
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from megashard.layout import DENSE_MESH_AXES, EXPERT_MESH_AXES, RankLayout
+
+__all__ = ["VIEW_AXES", "build_view", "view_rank_tensor"]
+
+#: Root views built by from_group: name -> group names of their axes (outermost first).
+VIEW_AXES: dict[str, tuple[str, ...]] = {
+    "dense": DENSE_MESH_AXES,
+    "expert": EXPERT_MESH_AXES,
+    "fsdp": ("pp", "dp_outer", "dp_shard_cp", "tp"),
+    # The expert view that FSDPDistributedIndex expects: FSDP over expt_dp, TP over expt_tp.
+    "expert_fsdp": ("pp", "ep", "expt_dp", "expt_tp"),
+}
+# Axis names of each view: the group names, except that the expert FSDP view uses the dense names
+# FSDPDistributedIndex looks up (expt_dp plays dp_shard_cp, expt_tp plays tp).
+_VIEW_DIM_NAMES: dict[str, tuple[str, ...]] = {
+    **VIEW_AXES, "expert_fsdp": ("pp", "ep", "dp_shard_cp", "tp"),
+}
+
+
+def view_rank_tensor(layout: RankLayout, view: str) -> torch.Tensor:
+    """The rank at every coordinate of ``view`` (shape: the view's axis sizes), computed with one permute (no
+    per-rank Python loop)."""
+    grid = layout.grid(expert=view.startswith("expert"))
+    n = len(grid.sizes)
+    # Tensor dim k holds grid axis n-1-k (slowest first). A view axis merges its grid axes slowest-first,
+    # which reproduces the in-group (sorted) order of the group it stands for.
+    t = torch.arange(layout.world_size).reshape(list(reversed(grid.sizes)))
+    perm: list[int] = []
+    shape: list[int] = []
+    for name in VIEW_AXES[view]:
+        _, axes = layout.axes_of(name)
+        idx = sorted((grid.index[a] for a in axes), reverse=True)
+        perm += [n - 1 - i for i in idx]
+        size = 1
+        for i in idx:
+            size *= grid.sizes[i]
+        shape.append(size)
+    return t.permute(perm).reshape(shape)
+
+
+def build_view(layout: RankLayout, view: str, groups: Mapping[str, dist.ProcessGroup], device_type: str) -> DeviceMesh:
+    """The ``view`` mesh over this rank's ``groups`` (group name -> process group) of ``layout``."""
+    return DeviceMesh.from_group(
+        [groups[n] for n in VIEW_AXES[view]], device_type,
+        mesh=view_rank_tensor(layout, view), mesh_dim_names=_VIEW_DIM_NAMES[view],
+    )

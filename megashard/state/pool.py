@@ -1,0 +1,80 @@
+"""The communicator pool: one process group per (rank set, timeout, backend), created by its members only.
+
+Every :class:`~megashard.state.ParallelState` of a process asks this pool for its groups, so two states (or a
+state and a Megatron ``HyperCommGrid``-style request) that need the same rank set share one communicator.
+
+Why module-level and not owned by a ``ParallelState``: communicators belong to the *default* process group, not to
+a layout. PyTorch names a locally-synchronised group by a hash of its ranks and of the number of live groups, so
+destroying a state's groups and re-creating the same rank set for the next state would reuse the old group's
+store keys and connect to dead sockets. The pool therefore outlives states (re-initialising megashard re-uses the
+pooled communicators — also the fast path: creating NCCL communicators is the slow part of start-up) and dies with
+the default group: a new default group empties it, and :func:`release_process_groups` destroys it at shutdown.
+
+Releasing matters: a communicator still referenced here when the interpreter shuts down keeps its backend threads
+(gloo's ``pt_gloo_runloop`` and ``gloo_tcp_loop``) alive into finalization, where a thread that needs the GIL to
+drop its last tensor reference is killed mid-destructor ("terminate called without an active exception",
+SIGABRT). So the pool is released before ``destroy_process_group()`` (:func:`megashard.state.end_distributed`)
+and, for scripts that never call it, at exit (``atexit``), while Python is fully alive.
+"""
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["pooled_group", "pooled_group_count", "release_process_groups"]
+
+_POOL: dict[tuple, dist.ProcessGroup] = {}
+_POOL_WORLD: list = [None]  # the default group the pool belongs to
+_RELEASE_AT_EXIT: list = [False]
+
+
+def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str) -> tuple[dist.ProcessGroup, bool]:
+    """The pooled group for ``ranks`` (created by its members only on first use, ``backend`` None = the default
+    group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in."""
+    world = dist.group.WORLD
+    if _POOL_WORLD[0] is not world:  # a new default group: the old communicators died with the old one
+        _POOL.clear()
+        _POOL_WORLD[0] = world
+    key = (ranks, timeout.total_seconds(), backend)
+    pg = _POOL.get(key)
+    if pg is not None:
+        return pg, False
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc)
+    _POOL[key] = pg
+    if not _RELEASE_AT_EXIT[0]:
+        atexit.register(_release_at_exit)  # before interpreter shutdown, whatever the script does
+        _RELEASE_AT_EXIT[0] = True
+    return pg, True
+
+
+def pooled_group_count() -> int:
+    """How many communicators megashard holds in this process (for tests and benchmarks)."""
+    return len(_POOL)
+
+
+def release_process_groups() -> None:
+    """Destroy every pooled communicator and drop the pool's references, so their backend threads end now (at
+    shutdown, before ``destroy_process_group()``; also registered with ``atexit``). Idempotent.
+
+    Do not initialise megashard again in the same default group afterwards: re-created groups would get
+    the released groups' names (see the module note).
+    """
+    pgs = list(_POOL.values())
+    _POOL.clear()
+    _POOL_WORLD[0] = None
+    for pg in pgs:
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError, AssertionError):  # already destroyed with its default group
+            pass
+
+
+def _release_at_exit() -> None:
+    """At exit, for scripts that end without ``megashard.destroy()`` / ``end_distributed()``: the current state's
+    meshes and the pool let go of their groups while Python is still fully alive."""
+    from megashard.state.current import destroy
+
+    destroy()
+    release_process_groups()

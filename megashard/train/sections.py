@@ -1,0 +1,254 @@
+"""The sections of the training job's YAML besides ``parallel``: one dataclass each, every field documented.
+
+``model``, ``train``, ``optim``, ``data``, ``checkpoint``, ``launch`` (:data:`CONFIG_SECTIONS`); each field's
+docstring states its meaning and constraint, and ``docs/config.md`` is generated from them
+(``python tools/gen_config_docs.py``). :func:`section_from_dict` builds a section from its YAML mapping, checking
+each value's type; :class:`~megashard.train.config.JobConfig` holds the sections and checks how they combine.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from megashard.config.yamlfile import reject_unknown_keys
+from megashard.errors import ConfigError
+
+DTYPES = ("float32", "float64", "bfloat16")
+SOURCES = ("synthetic", "text", "indexed")
+ARCHS = ("gpt", "llama")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class ModelConfig:
+    """The example transformer: ``gpt`` (learned positions, LayerNorm, GELU) or ``llama`` (rotary, RMSNorm, SwiGLU)."""
+
+    arch: str = "gpt"
+    """``gpt``: token + learned position embeddings, pre-LayerNorm blocks with biases, GELU MLP; ``llama``: rotary
+    position embeddings, RMSNorm, SwiGLU MLP, no biases."""
+    tie_embeddings: bool = False
+    """Use the input embedding (vocabulary-parallel over tp) as the LM head's weight too (both archs)."""
+    rope_theta: float = 10000.0
+    """``llama``: base of the rotary position embedding frequencies."""
+    norm_eps: float = 1.0e-5
+    """Epsilon of the normalisation layers (LayerNorm for ``gpt``, RMSNorm for ``llama``)."""
+    vocab_size: int = 256
+    """Vocabulary size: ≥ the tokenizer's (``text`` data: 256; a prepared corpus: its metadata's ``vocab_size``, e.g.
+    257 for the byte tokenizer). Must divide by ``parallel.tp``; pad it, as Megatron does (multiple of 128 · tp)."""
+    seq_len: int = 64
+    """Tokens per sequence (context length). Must divide by ``parallel.cp``."""
+    hidden: int = 64
+    """Hidden size (model width). Must divide by ``heads``."""
+    layers: int = 2
+    """Number of transformer blocks."""
+    heads: int = 4
+    """Attention heads. Must divide by ``parallel.tp`` (each TP rank owns whole heads)."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; ``null`` = 4 × hidden (``gpt``) or 8/3 × hidden rounded up to a multiple of 64 (``llama``).
+    Must divide by ``parallel.tp``."""
+    dropout: float = 0.0
+    """Dropout probability (attention and residual), in [0, 1). Attention dropout draws from the model-parallel RNG fork."""
+    init_std: float = 0.02
+    """Std of the normal weight init; output projections use init_std / sqrt(2 · layers)."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``; needs tp = cp = 1."""
+    moe_every: int = 2
+    """With experts: every ``moe_every``-th block (1-based, the last one included) uses an MoE MLP."""
+    moe_top_k: int = 1
+    """With experts: experts per token (top-k routing, renormalised gate weights)."""
+    recompute: bool = False
+    """Activation recompute of every block through ``megashard.state.recompute.checkpoint`` (trades compute for memory)."""
+    distribute_saved_activations: bool = False
+    """With recompute: keep only 1/tp of each block's saved input between forward and backward."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: length, batch, precision, logging and outputs."""
+
+    steps: int = 200
+    """Optimizer steps to train for (a resumed run continues up to this step)."""
+    global_batch: int = 16
+    """Sequences per optimizer step over all data-parallel ranks. Must divide by ``dp`` (dp_outer · dp_shard)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32, float64 (exact parity tests) or bfloat16."""
+    out_dir: str = "runs/{name}"
+    """Output directory (metrics.jsonl, loss.png, checkpoints/, config.yaml); ``{name}`` = the config file's stem."""
+    log_interval: int = 10
+    """Steps between progress lines when stderr is not a terminal (a terminal gets a live bar)."""
+    progress: bool = True
+    """Show the progress bar on rank 0 (stderr)."""
+    plot: bool = True
+    """Write loss.png at the end (needs matplotlib: ``pip install 'megashard[plot]'``; skipped with a note otherwise)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in ``checkpoint.dir`` when there is one."""
+    eval_interval: int = 0
+    """Validation loss (averaged over the data-parallel ranks) every this many steps and after the last; 0 = never.
+    Needs ``data.valid_fraction > 0``."""
+    eval_batches: int = 2
+    """Batches of ``global_batch`` validation sequences per evaluation (the same ones every time)."""
+    fail_at_step: Optional[int] = None
+    """Fault injection for tests: rank ``fail_rank`` exits with code 1 after this step (first attempt only)."""
+    fail_rank: int = 0
+    """Fault injection: the global rank that fails at ``fail_at_step``."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, the learning-rate schedule and gradient clipping."""
+
+    lr: float = 3.0e-3
+    """Peak learning rate."""
+    min_lr: float = 3.0e-4
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: str = "cosine"
+    """Decay after warm-up: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay of parameters with 2 or more dims (biases and norms are not decayed)."""
+    beta1: float = 0.9
+    """AdamW β1."""
+    beta2: float = 0.95
+    """AdamW β2."""
+    eps: float = 1.0e-8
+    """AdamW ε."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping (the norm is still reported)."""
+
+
+@dataclass
+class DataConfig:
+    """Deterministic training data, identical for every layout; each data-parallel rank reads its slice of a batch."""
+
+    source: str = "synthetic"
+    """``synthetic`` (sequences from a fixed random Markov chain: learnable, no files), ``text`` (the bytes of
+    ``path``) or ``indexed`` (tokenized datasets: ``path`` or ``blend``; docs/data.md)."""
+    path: Optional[str] = None
+    """``text``: a text file (byte-level tokens; vocab_size ≥ 256). ``indexed``: a dataset prefix (``PREFIX.bin`` +
+    ``PREFIX.idx``, e.g. from ``megashard data prepare``) or a flat token file; the same as ``blend: [[1.0, path]]``.
+    Relative to the current directory."""
+    blend: Optional[list] = None
+    """``indexed``: datasets mixed by weight, ``[[weight, path], ...]`` (weights > 0, normalised). When given it replaces
+    ``path`` (and ``prepare_inputs``). On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
+    flat_dtype: str = "uint16"
+    """``indexed``: token dtype of flat token files (paths without an ``.idx``): uint8, uint16, int32, ..."""
+    valid_fraction: float = 0.0
+    """Share of every dataset's samples held out for validation (a seeded choice, disjoint from training), in [0, 1)."""
+    prepare_inputs: Optional[list] = None
+    """``indexed`` with ``path``: inputs of ``megashard data prepare`` (files, directories, globs; ``{stdlib}`` = the
+    Python standard library) that ``megashard run`` tokenizes into ``path`` first if no corpus is there yet."""
+    prepare_tokenizer: str = "byte"
+    """Tokenizer for ``prepare_inputs``: ``byte`` or the path of a Hugging Face tokenizer.json."""
+    num_sequences: int = 4096
+    """Synthetic: sequences in the dataset (the loop cycles through a seeded permutation of them each epoch)."""
+    branching: int = 4
+    """Synthetic: likely successors per token (the lower, the lower the reachable loss; ≈ ln(branching))."""
+    seed: int = 0
+    """Offset added to ``parallel.seed`` for the data (dataset and shuffling)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (torch.distributed.checkpoint, one directory per step, written atomically)."""
+
+    interval: int = 50
+    """Save every this many steps; 0 = never (except ``save_final``)."""
+    save_final: bool = True
+    """Also save after the last step."""
+    keep: int = 2
+    """Complete checkpoints to keep (oldest deleted first); 0 = keep all."""
+    dir: Optional[str] = None
+    """Checkpoint directory; ``null`` = ``<train.out_dir>/checkpoints``."""
+    load_step: Optional[int] = None
+    """Start from the checkpoint of this step in the checkpoint directory (``<dir>/step_<N>``) instead of the
+    newest one; it must be complete, and if it is damaged the job stops with an error (no fallback). ``null`` =
+    the newest checkpoint that verifies (a damaged newer one is skipped with a note). Exclusive with
+    ``load_path``; needs ``train.resume: true``. Every start of the job, torchrun restarts included, loads it."""
+    load_path: Optional[str] = None
+    """Start from this checkpoint directory (a ``step_<N>`` directory holding ``COMPLETE.json``, e.g. of another
+    run) instead of the newest one in ``dir``; damaged → error, no fallback. Exclusive with ``load_step``."""
+
+
+@dataclass
+class LaunchConfig:
+    """How ``megashard run`` starts the job through torchrun (``torch.distributed.run``)."""
+
+    nnodes: int = 1
+    """Nodes (world size = nnodes × nproc_per_node). Under Slurm, defaults to ``SLURM_NNODES``."""
+    nproc_per_node: int = 4
+    """Processes per node (one per GPU on CUDA)."""
+    max_restarts: int = 0
+    """How often torchrun restarts the whole worker group after a failure; the job resumes from its newest checkpoint."""
+    rdzv_backend: str = "c10d"
+    """torchrun rendezvous backend for multi-node runs (single-node runs use ``--standalone``)."""
+    rdzv_endpoint: Optional[str] = None
+    """``host:port`` of the rendezvous for multi-node runs; under Slurm, defaults to the first node of the job, port 29500."""
+    rdzv_id: Optional[str] = None
+    """Rendezvous id shared by all nodes of one job; under Slurm, defaults to ``SLURM_JOB_ID``."""
+    node_rank: Optional[int] = None
+    """This node's rank (needed only for ``rdzv_backend: static``); under Slurm, defaults to ``SLURM_NODEID``."""
+    monitor_interval: float = 0.5
+    """Seconds between torchrun's health checks of the workers."""
+    slurm: Optional[bool] = None
+    """Read Slurm variables: ``null`` = when ``SLURM_JOB_ID`` is set (and launch.nnodes is not given on the command
+    line), ``true`` = required, ``false`` = ignore them."""
+
+
+#: The sections documented in docs/config.md after ``parallel`` (read by tools/gen_config_docs.py).
+CONFIG_SECTIONS: list[tuple[str, type]] = [
+    ("model", ModelConfig),
+    ("train", TrainConfig),
+    ("optim", OptimConfig),
+    ("data", DataConfig),
+    ("checkpoint", CheckpointConfig),
+    ("launch", LaunchConfig),
+]
+SECTION_NAMES = ("parallel",) + tuple(n for n, _ in CONFIG_SECTIONS)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def _check_type(cls: type, section: str, name: str, value: Any) -> Any:
+    """Check (and mildly coerce: int → float, "1e-3" → float) ``value`` against the field's annotation."""
+    hints = typing.get_type_hints(cls)
+    hint = hints[name]
+    optional = type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional else hint
+    where = f"{section}.{name}"
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}=null is not allowed; give a {base.__name__}")
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be true or false")
+        return value
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        return value
+    if base is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{where}={value!r} must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    return value  # pragma: no cover - no other field types
+
+
+def section_from_dict(cls: type, data: Optional[Mapping[str, Any]], section: str) -> Any:
+    """Build section dataclass ``cls`` from a mapping (each value type-checked); unknown keys get a "did you mean"."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"section '{section}' must be a mapping of keys, got {type(data).__name__} {data!r}")
+    reject_unknown_keys(cls, data, section)
+    return cls(**{k: _check_type(cls, section, k, v) for k, v in data.items()})
