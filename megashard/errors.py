@@ -98,3 +98,8 @@ class DataError(MegashardError, ValueError):
 
 class MissingExtraError(MegashardError, ImportError):
     """An optional feature needs a package that is not installed; the message says what to ``pip install``."""
+
+
+class PipelineError(MegashardError, RuntimeError):
+    """A pipeline stage failed or timed out; the message names the stage, its pp rank and global rank, the schedule
+    and the step."""

@@ -20,6 +20,7 @@ from megashard.train.sections import (  # noqa: F401  (the section classes are i
     ARCHS,
     CONFIG_SECTIONS,
     DTYPES,
+    PIPELINE_SCHEDULE_NAMES,
     SCHEDULES,
     SECTION_NAMES,
     SOURCES,
@@ -119,6 +120,10 @@ class JobConfig:
 
         return default_ffn_hidden(self.model)
 
+    def microbatches(self, pp: int) -> int:
+        """Microbatches per step and data-parallel rank: ``train.microbatches``, or pp when it is null."""
+        return self.train.microbatches if self.train.microbatches is not None else pp
+
     def moe_layers(self) -> list[int]:
         """0-based indices of the blocks with an MoE MLP."""
         m = self.model
@@ -144,7 +149,7 @@ class JobConfig:
                                     f"{self.launch.nproc_per_node} =")
         s = sizes if sizes is not None else self.parallel.resolve(w)
         m, t = self.model, self.train
-        _need(s.pp == 1, f"parallel.pp={s.pp}: the example training loop has no pipeline schedule; use pp: 1")
+        self._validate_pipeline(s)
         _need(m.vocab_size % s.tp == 0,
               f"model.vocab_size={m.vocab_size} must divide by parallel.tp={s.tp} (each TP rank holds vocab/tp rows); "
               f"pad it to {-(-m.vocab_size // s.tp) * s.tp}")
@@ -179,6 +184,38 @@ class JobConfig:
             check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
         self.requested_checkpoint()
         return s
+
+    def _validate_pipeline(self, s: ResolvedSizes) -> None:
+        """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
+        m, t = self.model, self.train
+        vpp = s.vpp or 1
+        mb = self.microbatches(s.pp)
+        _need(t.global_batch % (s.dp * mb) == 0,
+              f"train.global_batch={t.global_batch} must divide by train.microbatches × dp = {mb} × {s.dp} = "
+              f"{mb * s.dp} (global batch = microbatches × micro-batch size × dp); valid microbatches: "
+              f"{fmt_divisors(t.global_batch // s.dp) if t.global_batch % s.dp == 0 else 'none for this dp'}")
+        if s.pp == 1:
+            return
+        sched = t.pipeline_schedule
+        if sched in ("1f1b", "gpipe"):
+            _need(vpp == 1, f"parallel.vpp={vpp} runs several stages per rank, but train.pipeline_schedule={sched!r} "
+                  "runs one: use train.pipeline_schedule=interleaved_1f1b (or zbv with vpp=2), or vpp: null")
+        elif sched == "interleaved_1f1b":
+            _need(vpp >= 2, f"train.pipeline_schedule=interleaved_1f1b needs parallel.vpp >= 2 (virtual stages per "
+                  f"rank), got vpp={s.vpp}; or use train.pipeline_schedule=1f1b")
+            rounds = max(1, mb // s.pp)
+            _need(mb % rounds == 0, f"train.microbatches={mb}: interleaved_1f1b needs a multiple of "
+                  f"max(1, microbatches // pp) = {rounds}; e.g. {s.pp} or {2 * s.pp}")
+        elif sched == "zbv":
+            _need(vpp == 2, f"train.pipeline_schedule=zbv runs exactly two stages per rank: set parallel.vpp=2 "
+                  f"(got vpp={s.vpp})")
+            _need(mb >= s.pp, f"train.microbatches={mb}: zbv needs at least pp={s.pp} microbatches")
+        if sched == "1f1b":
+            _need(mb >= s.pp, f"train.microbatches={mb}: 1f1b needs at least pp={s.pp} microbatches (every stage "
+                  f"must have one in flight); use microbatches >= {s.pp} or train.pipeline_schedule=gpipe")
+        stages = s.pp * vpp
+        _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {s.pp} × {vpp} = {stages} "
+              "pipeline stages (every stage holds at least one block); lower pp/vpp or add layers")
 
     def requested_checkpoint(self) -> Optional[str]:
         """The checkpoint ``checkpoint.load_step`` / ``checkpoint.load_path`` asks for (absolute path), or None.
@@ -256,6 +293,10 @@ class JobConfig:
               "model.distribute_saved_activations=true needs model.recompute=true")
         _need(t.dtype in DTYPES, f"train.dtype={t.dtype!r} is not supported; valid: {', '.join(DTYPES)}")
         _need(bool(t.out_dir), "train.out_dir must not be empty")
+        _need(t.pipeline_schedule in PIPELINE_SCHEDULE_NAMES,
+              f"train.pipeline_schedule={t.pipeline_schedule!r} is not supported; valid: {', '.join(PIPELINE_SCHEDULE_NAMES)}")
+        if t.microbatches is not None:
+            _need(t.microbatches >= 1, f"train.microbatches={t.microbatches} must be a positive integer or null (= pp)")
         if t.fail_at_step is not None:
             _need(1 <= t.fail_at_step, f"train.fail_at_step={t.fail_at_step} must be >= 1 or null")
         _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")

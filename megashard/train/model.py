@@ -42,6 +42,7 @@ from megashard.train.sections import ModelConfig
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
+    from megashard.train.stages import StageSpec
 
 __all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed", "default_ffn_hidden"]
 
@@ -177,44 +178,72 @@ class GPT(nn.Module):
     """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``)."""
 
     def __init__(self, cfg: ModelConfig, groups: Optional[ModelGroups] = None, *, ffn_hidden: Optional[int] = None,
-                 moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None) -> None:
+                 moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None,
+                 stage: Optional["StageSpec"] = None) -> None:
         super().__init__()
         groups = groups or ModelGroups()
-        self.cfg, self.groups = cfg, groups
+        self.cfg, self.groups, self.stage = cfg, groups, stage
         ffn = ffn_hidden or cfg.ffn_hidden or default_ffn_hidden(cfg)
         moe_layers = moe_layers or []
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
+        first = stage is None or stage.is_first
+        last = stage is None or stage.is_last
+        self.is_first, self.is_last = first, last
+        layers = range(cfg.layers) if stage is None else stage.layers
+        # The last stage of a pipeline keeps its own copy of a tied embedding table (Megatron's shared embedding):
+        # same name, same init, gradients all-reduced over the embedding group, so the copies stay equal.
+        if first or (last and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std,
+                                                dtype=dtype, device=device)
+            if not first:
+                self.embed.weight._tied_copy = True  # counted once by the gradient norm (on the first stage)
         rotary = None
         if cfg.arch == "llama":
             from megashard.train.llama import Rotary
 
             rotary = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta, device=device)
-        else:
+        elif first:
             self.pos = _replicated(nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype, device=device)),
                                    "normal", cfg.init_std)
-        self.blocks = nn.ModuleList(
-            Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in range(cfg.layers)
+        # Keyed by the global block index, so parameter names ("blocks.5.attn.qkv.weight") are the same in every
+        # pipeline split (checkpoints load across splits).
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in layers}
         )
-        self.ln_f = _norm(cfg, dtype, device)
         self.head = None
-        if not cfg.tie_embeddings:
-            self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False, init_std=cfg.init_std,
-                                             dtype=dtype, device=device)
+        if last:
+            self.ln_f = _norm(cfg, dtype, device)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False,
+                                                 init_std=cfg.init_std, dtype=dtype, device=device)
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        s = ids.shape[1]
-        x = self.embed(ids)
-        if self.cfg.arch == "gpt":
-            start = group_rank(self.groups.cp) * s
-            x = x + self.pos[start: start + s]
-        x = F.dropout(x, self.cfg.dropout, self.training)
-        for block in self.blocks:
+    def forward(self, inp: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``inp``: token ids ``[b, s/cp]`` (first stage) or hidden states ``[b, s/cp, h]``. Returns the mean loss
+        if ``targets`` is given (last stage), else the logits ``[b, s/cp, vocab/tp]`` (last stage, for a pipeline
+        schedule's loss function) or the hidden states (other stages)."""
+        if self.is_first:
+            s = inp.shape[1]
+            x = self.embed(inp)
+            if self.cfg.arch == "gpt":
+                start = group_rank(self.groups.cp) * s
+                x = x + self.pos[start: start + s]
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        else:
+            x = inp
+        for block in self.blocks.values():
             x = block(x)
+        if not self.is_last:
+            return x
         h = self.ln_f(x)
         if self.head is None:  # tied: the vocabulary-parallel embedding table is the column-parallel head weight
             logits = F.linear(copy_to_tp(h, self.groups.tp), self.embed.weight)
         else:
             logits = self.head(h)  # [b, s, vocab/tp]
+        if targets is None:
+            return logits
+        return self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of ``logits [b, s, vocab/tp]`` against ``targets [b, s]`` (vocabulary-parallel)."""
         return vocab_parallel_cross_entropy(logits, targets, self.groups.tp).mean()
 
 

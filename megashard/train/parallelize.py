@@ -31,7 +31,7 @@ __all__ = ["parallelize", "global_dtensor", "param_layout", "local_tensor", "PAR
 
 #: Python attributes of a parameter that survive ``fully_shard`` (copied onto FSDP's new parameter).
 PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode",
-               "_global_shape", "_init", "_expert_parallel", "allreduce")
+               "_global_shape", "_init", "_expert_parallel", "allreduce", "_tied_copy")
 
 
 def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -53,7 +53,8 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     attrs = _saved_attrs(model)
     mp = mp_policy or MixedPrecisionPolicy()
     mesh = state.fully_shard_mesh
-    for block in getattr(model, "blocks", []):
+    blocks = getattr(model, "blocks", [])
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
         if isinstance(getattr(block, "mlp", None), MoE):
             experts = fully_shard(block.mlp.experts, mesh=state.mesh("expt_dp"), mp_policy=mp,
                                   reshard_after_forward=reshard_after_forward)

@@ -18,6 +18,7 @@ DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
 ARCHS = ("gpt", "llama")
 SCHEDULES = ("cosine", "linear", "constant")
+PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
 
 @dataclass
@@ -92,6 +93,16 @@ class TrainConfig:
     """Fault injection for tests: rank ``fail_rank`` exits with code 1 after this step (first attempt only)."""
     fail_rank: int = 0
     """Fault injection: the global rank that fails at ``fail_at_step``."""
+    pipeline_schedule: str = "1f1b"
+    """With ``parallel.pp > 1``: PyTorch's pipeline schedule — ``1f1b``, ``gpipe``, ``interleaved_1f1b`` (needs
+    ``parallel.vpp ≥ 2``: rank r runs stages r, r + pp, …) or ``zbv`` (zero-bubble V, needs ``parallel.vpp = 2``)."""
+    microbatches: Optional[int] = None
+    """Microbatches per step and data-parallel rank: global_batch = microbatches × micro-batch size × dp, so
+    ``global_batch`` must divide by microbatches · dp. ``null`` = pp (1 without pipeline). With pp = 1 the
+    microbatches accumulate gradients; ``1f1b`` needs microbatches ≥ pp."""
+    reshard_between_microbatches: bool = False
+    """With a pipeline: FSDP frees the gathered parameters after every microbatch's forward (less memory, one
+    all-gather per microbatch) instead of keeping them until the step's backward is done."""
 
 
 @dataclass
