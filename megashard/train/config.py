@@ -163,9 +163,16 @@ class JobConfig:
         if m.num_experts:
             _need(m.num_experts % s.ep == 0,
                   f"model.num_experts={m.num_experts} must divide by parallel.ep={s.ep}; valid ep: {fmt_divisors(m.num_experts)}")
-            _need(s.tp == 1 and s.cp == 1 and s.expt_tp == 1,
-                  f"MoE layers (model.num_experts={m.num_experts}) support tp=1, cp=1, expt_tp=1 only "
-                  f"(got tp={s.tp}, cp={s.cp}, expt_tp={s.expt_tp}): experts are spread over ep, data over dp")
+            _need(s.expt_tp == 1,
+                  f"parallel.expt_tp={s.expt_tp}: the example MoE runs whole experts (expt_tp=1); experts fold over "
+                  f"the ranks of tp·cp·dp through ep and expt_dp instead (e.g. tp=2, ep=4, expt_dp=2 on 8 ranks)")
+            mb = self.microbatches(s.pp)
+            if t.global_batch % (s.dp * mb) == 0 and m.seq_len % s.cp == 0:
+                tokens = t.global_batch // (s.dp * mb) * (m.seq_len // s.cp)
+                _need(tokens % s.tp == 0,
+                      f"MoE with parallel.tp={s.tp}: each tp rank dispatches 1/tp of a microbatch's tokens, but a "
+                      f"microbatch has global_batch/(dp·microbatches) · seq_len/cp = {tokens} tokens per rank, not "
+                      f"divisible by tp={s.tp}; change train.global_batch, train.microbatches or model.seq_len")
             _need(1 <= m.moe_top_k <= m.num_experts, f"model.moe_top_k={m.moe_top_k} must be in 1..num_experts={m.num_experts}")
             _need(bool(self.moe_layers()),
                   f"model.moe_every={m.moe_every} > model.layers={m.layers}: no block would be an MoE block")
@@ -213,6 +220,9 @@ class JobConfig:
         if sched == "1f1b":
             _need(mb >= s.pp, f"train.microbatches={mb}: 1f1b needs at least pp={s.pp} microbatches (every stage "
                   f"must have one in flight); use microbatches >= {s.pp} or train.pipeline_schedule=gpipe")
+        _need(not m.distribute_saved_activations, "model.distribute_saved_activations=true is not supported with "
+              f"pipeline parallelism (parallel.pp={s.pp}): pipeline schedules recompute through torch.utils.checkpoint; "
+              "set it to false (model.recompute=true still works)")
         stages = s.pp * vpp
         _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {s.pp} × {vpp} = {stages} "
               "pipeline stages (every stage holds at least one block); lower pp/vpp or add layers")
@@ -289,6 +299,8 @@ class JobConfig:
         _need(m.hidden % m.heads == 0, f"model.hidden={m.hidden} must divide by model.heads={m.heads}")
         _need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
         _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
+        _need(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 (0 = no "
+              "load-balancing loss)")
         _need(not m.distribute_saved_activations or m.recompute,
               "model.distribute_saved_activations=true needs model.recompute=true")
         _need(t.dtype in DTYPES, f"train.dtype={t.dtype!r} is not supported; valid: {', '.join(DTYPES)}")

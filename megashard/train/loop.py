@@ -219,8 +219,13 @@ def _forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(i == microbatches - 1)
         loss = model(xm, ym)
-        (loss / microbatches).backward()
+        loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
+    # Divide the summed gradients once, as the pipeline schedules do (scale_grads): auxiliary losses attached to
+    # activations are averaged over the microbatches with the LM loss.
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(microbatches)
     return total / microbatches
 
 
@@ -240,6 +245,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
     from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
+    from megashard.train.parallelize import finish_expert_grads
 
     ms.init_distributed(job.parallel)
     # Every rank must run the same job: checked in the first collective, before any other group exists.
@@ -304,6 +310,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             model_parallel_manual_seed(seed + 7919 * (step + 1))
             x, y = data.batch(step)
             loss = pipe.step(x, y, step) if pipe is not None else _forward_backward(model, x, y, microbatches)
+            finish_expert_grads(model, state)
             norm = clip_grad_norm(params, job.optim.grad_clip, state)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

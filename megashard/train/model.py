@@ -160,6 +160,7 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
         self.recompute, self.distribute_saved = cfg.recompute, cfg.distribute_saved_activations
         self.tp_group = groups.tp
+        self.in_pipeline = False  # set by GPT for pipeline stages
 
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
@@ -167,7 +168,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
-            from megashard.state.recompute import checkpoint
+            from megashard.state.recompute import checkpoint, checkpoint_nonreentrant
+
+            if self.in_pipeline:  # pipeline schedules differentiate with torch.autograd.grad
+                return checkpoint_nonreentrant(self._body, x)
 
             distribute = self.distribute_saved and self.tp_group is not None
             return checkpoint(self._body, distribute, x, group=self.tp_group)
@@ -209,6 +213,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict(
             {str(i): Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in layers}
         )
+        for block in self.blocks.values():
+            block.in_pipeline = stage is not None
         self.head = None
         if last:
             self.ln_f = _norm(cfg, dtype, device)

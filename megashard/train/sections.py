@@ -53,11 +53,15 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the normal weight init; output projections use init_std / sqrt(2 · layers)."""
     num_experts: int = 0
-    """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``; needs tp = cp = 1."""
+    """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``. Experts fold over the same
+    ranks as attention (any tp, cp, dp; ``parallel.expt_tp`` = 1)."""
     moe_every: int = 2
     """With experts: every ``moe_every``-th block (1-based, the last one included) uses an MoE MLP."""
     moe_top_k: int = 1
     """With experts: experts per token (top-k routing, renormalised gate weights)."""
+    moe_aux_loss_coeff: float = 0.0
+    """With experts: weight of the router's load-balancing loss (Megatron's aux loss, per sequence:
+    coeff · E · Σ_e f_e · P_e); it joins the gradient, the reported loss is the LM loss. ≥ 0; e.g. 1e-2."""
     recompute: bool = False
     """Activation recompute of every block through ``megashard.state.recompute.checkpoint`` (trades compute for memory)."""
     distribute_saved_activations: bool = False
