@@ -122,6 +122,11 @@ def _copy_step5(tag: str, root: str) -> str:
 
 def _roundtrip(tag: str, overrides: list[str]) -> None:
     """Load the tp=2·pp=2 step-5 checkpoint in this layout and save it again (under ``<tag>-again``)."""
+    _roundtrip_from(os.path.join(_dir(), "pp2_tp2-f64", "checkpoints", "step_00000005"), tag, overrides)
+
+
+def _roundtrip_from(src: str, tag: str, overrides: list[str]) -> None:
+    """Load checkpoint ``src`` in this layout and save it again (under ``<tag>-again``)."""
     import torch.distributed as dist
 
     import megashard.state as ms
@@ -133,7 +138,6 @@ def _roundtrip(tag: str, overrides: list[str]) -> None:
     try:
         job.validate(sizes=state.sizes)
         model, opt = build(job, state)
-        src = os.path.join(_dir(), "pp2_tp2-f64", "checkpoints", "step_00000005")
         step = load_checkpoint(src, model, opt, state)
         save_checkpoint(os.path.join(_dir(), f"{tag}-again"), step, model, opt, state)
         dist.barrier()
