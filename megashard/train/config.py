@@ -149,7 +149,6 @@ class JobConfig:
                                     f"{self.launch.nproc_per_node} =")
         s = sizes if sizes is not None else self.parallel.resolve(w)
         m, t = self.model, self.train
-        self._validate_pipeline(s)
         _need(m.vocab_size % s.tp == 0,
               f"model.vocab_size={m.vocab_size} must divide by parallel.tp={s.tp} (each TP rank holds vocab/tp rows); "
               f"pad it to {-(-m.vocab_size // s.tp) * s.tp}")
@@ -160,6 +159,7 @@ class JobConfig:
         _need(t.global_batch % s.dp == 0,
               f"train.global_batch={t.global_batch} must divide by the data-parallel size dp={s.dp} "
               f"(dp_outer={s.dp_outer} × dp_shard={s.dp_shard}); valid dp: {fmt_divisors(t.global_batch)}")
+        self._validate_pipeline(s)
         if m.num_experts:
             _need(m.num_experts % s.ep == 0,
                   f"model.num_experts={m.num_experts} must divide by parallel.ep={s.ep}; valid ep: {fmt_divisors(m.num_experts)}")
@@ -200,7 +200,7 @@ class JobConfig:
         _need(t.global_batch % (s.dp * mb) == 0,
               f"train.global_batch={t.global_batch} must divide by train.microbatches × dp = {mb} × {s.dp} = "
               f"{mb * s.dp} (global batch = microbatches × micro-batch size × dp); valid microbatches: "
-              f"{fmt_divisors(t.global_batch // s.dp) if t.global_batch % s.dp == 0 else 'none for this dp'}")
+              f"{fmt_divisors(t.global_batch // s.dp)}")
         if s.pp == 1:
             return
         sched = t.pipeline_schedule
