@@ -3,10 +3,11 @@
 Two spawns (one process: the references; four gloo processes) train a 4-block GPT whose blocks 2 and 4 are
 mixtures of 4 experts (top-2, the router's load-balancing loss on) for 10 steps in float64:
 
-* folding tp=2 · dp_shard=2 with ep=2, expt_tp=1 (expt_dp=2), ep=4 (expt_dp=1), cp=2 with ep=2, and a pipeline
-  pp=2 · tp=2 with ep=2: every step's loss within 1e-10 relative of the single process;
+* folding tp=2 · dp_shard=2 with ep=2, expt_tp=1 (expt_dp=2), ep=4 (expt_dp=1), cp=2 with ep=2, a pipeline
+  pp=2 · tp=2 with ep=2, and expert tensor parallelism (tp=2 · ep=2 · expt_tp=2; dp_shard=4 with expt_tp=2):
+  every step's loss within 1e-10 relative of the single process;
 * the load-balancing loss changes the training (a run without it differs);
-* the ep=4 run's step-5 checkpoint loaded at ep=2 and ep=1 and saved again is bitwise the same checkpoint
+* the ep=4 run's step-5 checkpoint loaded at ep=2, ep=1 and ep=2 · expt_tp=2 and saved again is bitwise the same checkpoint
   (experts and AdamW state), and training resumed from it continues with the ep=4 run's losses.
 """
 from __future__ import annotations
@@ -67,6 +68,14 @@ def _resume(tag: str, overrides: list[str]) -> None:
     _run(tag, MOE + overrides + ["train.resume=true", f"checkpoint.dir={dst}"])
 
 
+def check_fold_tp2_ep2_etp2(rank, world_size):
+    _run("fold-tp2-ep2-etp2", MOE + ["parallel.tp=2", "parallel.ep=2", "parallel.expt_tp=2"])
+
+
+def check_etp2(rank, world_size):
+    _run("etp2", MOE + ["parallel.expt_tp=2"])
+
+
 def check_resume_ep2(rank, world_size):
     _resume("moe-resume-ep2", ["parallel.ep=2"])
 
@@ -75,8 +84,13 @@ def check_resume_ep1(rank, world_size):
     _resume("moe-resume-ep1", ["parallel.ep=1"])
 
 
+def check_resume_etp2(rank, world_size):
+    _resume("moe-resume-etp2", ["parallel.ep=2", "parallel.expt_tp=2"])
+
+
 ONE = [check_single_moe, check_single_moe_no_aux]
-FOUR = [check_fold_tp2_ep2, check_ep4, check_cp2_ep2, check_pp2_tp2_ep2, check_resume_ep2, check_resume_ep1]
+FOUR = [check_fold_tp2_ep2, check_ep4, check_cp2_ep2, check_pp2_tp2_ep2, check_fold_tp2_ep2_etp2, check_etp2,
+        check_resume_ep2, check_resume_ep1, check_resume_etp2]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +110,7 @@ def runs():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("run", ["fold-tp2-ep2", "ep4", "cp2-ep2", "pp2-tp2-ep2"])
+@pytest.mark.parametrize("run", ["fold-tp2-ep2", "ep4", "cp2-ep2", "pp2-tp2-ep2", "fold-tp2-ep2-etp2", "etp2"])
 def test_moe_loss_parity_with_one_process(runs, run):
     tmp, one, four = runs
     one.assert_ok("check_single_moe")
@@ -115,7 +129,7 @@ def test_the_load_balancing_loss_acts(runs):
     assert abs(a[STEPS] - b[STEPS]) > 1e-9 * abs(a[STEPS])
 
 
-@pytest.mark.parametrize("tag", ["moe-resume-ep2", "moe-resume-ep1"])
+@pytest.mark.parametrize("tag", ["moe-resume-ep2", "moe-resume-ep1", "moe-resume-etp2"])
 def test_expert_checkpoint_reshards_bitwise_and_resumes(runs, tag):
     tmp, _, four = runs
     four.assert_ok("check_ep4")

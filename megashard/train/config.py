@@ -163,9 +163,10 @@ class JobConfig:
         if m.num_experts:
             _need(m.num_experts % s.ep == 0,
                   f"model.num_experts={m.num_experts} must divide by parallel.ep={s.ep}; valid ep: {fmt_divisors(m.num_experts)}")
-            _need(s.expt_tp == 1,
-                  f"parallel.expt_tp={s.expt_tp}: the example MoE runs whole experts (expt_tp=1); experts fold over "
-                  f"the ranks of tp·cp·dp through ep and expt_dp instead (e.g. tp=2, ep=4, expt_dp=2 on 8 ranks)")
+            _need(self.ffn_hidden % s.expt_tp == 0,
+                  f"model.ffn_hidden={self.ffn_hidden} (per expert) must divide by parallel.expt_tp={s.expt_tp} (each "
+                  f"expert tensor-parallel rank holds ffn/expt_tp of every local expert); valid expt_tp: "
+                  f"{fmt_divisors(self.ffn_hidden)}")
             mb = self.microbatches(s.pp)
             if t.global_batch % (s.dp * mb) == 0 and m.seq_len % s.cp == 0:
                 tokens = t.global_batch // (s.dp * mb) * (m.seq_len // s.cp)

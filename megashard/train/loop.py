@@ -81,13 +81,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
     Each rank holds FSDP shards of TP slices. The squared norm is summed exactly once per element:
     TP-split parameters over ``tp`` then ``dp_shard_cp``; TP-replicated ones over ``dp_shard_cp`` only
     (every TP rank holds the same copy); HSDP replicas (``dp_outer``) hold identical gradients and are
-    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards). Pipeline stages hold
+    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards), their ffn slices first over
+    ``expt_tp`` (the replicated output bias not). Pipeline stages hold
     different parameters: the sum is then reduced over ``pp``, with the last stage's copy of a tied embedding
     left out (it equals the first stage's, which is counted).
     """
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = next((p.device for p in params), torch.device("cpu"))
-    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert")}
+    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert", "expert_tp")}
     grads = []
     for p in params:
         if p.grad is None:
@@ -96,12 +97,16 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
         grads.append(p.grad)
         if g.numel() == 0 or getattr(p, "_tied_copy", False):
             continue
-        kind = "expert" if getattr(p, "_expert_parallel", False) else ("tp" if getattr(p, "tensor_model_parallel", False) else "rep")
+        if getattr(p, "_expert_parallel", False):
+            kind = "expert_tp" if getattr(p, "_expert_tp_dim", None) is not None else "expert"
+        else:
+            kind = "tp" if getattr(p, "tensor_model_parallel", False) else "rep"
         sq[kind] += g.detach().to(dtype).pow(2).sum()
     _all_reduce(sq["tp"], state, "tp")
     dense = sq["tp"] + sq["rep"]
     _all_reduce(dense, state, "dp_shard_cp")
-    expert = sq["expert"]
+    _all_reduce(sq["expert_tp"], state, "expt_tp")
+    expert = sq["expert"] + sq["expert_tp"]
     if any(getattr(p, "_expert_parallel", False) for p in params):
         _all_reduce(expert, state, "ep")
         _all_reduce(expert, state, "expt_dp")

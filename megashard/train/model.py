@@ -54,6 +54,7 @@ class ModelGroups:
     tp: Optional[dist.ProcessGroup] = None
     cp: Optional[dist.ProcessGroup] = None
     ep: Optional[dist.ProcessGroup] = None
+    expt_tp: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def from_state(cls, state: ParallelState) -> "ModelGroups":
@@ -61,7 +62,7 @@ class ModelGroups:
         def g(name: str) -> Optional[dist.ProcessGroup]:
             return state.group(name) if state.size(name) > 1 else None
 
-        return cls(tp=g("tp"), cp=g("cp"), ep=g("ep"))
+        return cls(tp=g("tp"), cp=g("cp"), ep=g("ep"), expt_tp=g("expt_tp"))
 
 
 def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:
@@ -269,9 +270,13 @@ def param_init_seed(seed: int, name: str) -> int:
 
 
 def _local_slice(full: torch.Tensor, p: torch.Tensor, groups: ModelGroups) -> torch.Tensor:
-    """This rank's part of ``full``: the expert slice (dim 0 over ep), then the TP slice (partition dim over tp)."""
+    """This rank's part of ``full``: the expert slice (dim 0 over ep, then the ffn dim over expt_tp), then the TP
+    slice (partition dim over tp)."""
     if getattr(p, "_expert_parallel", False):
         full = full.chunk(group_size(groups.ep), dim=0)[group_rank(groups.ep)]
+        etp_dim = getattr(p, "_expert_tp_dim", None)
+        if etp_dim is not None:
+            full = full.chunk(group_size(groups.expt_tp), dim=etp_dim)[group_rank(groups.expt_tp)]
     dim = get_mcore_tensor_parallel_partition_dim(p)
     if dim is not None:
         full = full.chunk(group_size(groups.tp), dim=dim)[group_rank(groups.tp)]

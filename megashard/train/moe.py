@@ -11,7 +11,7 @@ their gradients so that they average over all data-parallel ranks, like the dens
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,37 +39,58 @@ class _Dim0(torch.autograd.Function):
 
 
 def _expert_param(shape_local: tuple[int, ...], shape_global: tuple[int, ...], kind: str, std: float,
-                  dtype: torch.dtype, device: Any) -> nn.Parameter:
+                  dtype: torch.dtype, device: Any, etp_dim: Optional[int] = None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape_local, dtype=dtype, device=device))
     set_tensor_model_parallel_attributes(p, False, -1, 1)
     init_spec(p, kind, std, shape_global)
     p._expert_parallel = True
     p.allreduce = False
+    if etp_dim is not None:
+        p._expert_tp_dim = etp_dim  # split over expt_tp along this dim (the expert's ffn dim)
     return p
 
 
-class Experts(nn.Module):
-    """This rank's ``E/ep`` experts (GELU MLPs), stacked: ``w1 [E/ep, h, ffn]``, ``w2 [E/ep, ffn, h]``."""
+class _FirstRankOnly(torch.autograd.Function):
+    """``x`` on rank 0 of ``group``, zeros elsewhere (a term the following reduce-scatter must count once); the
+    gradient passes to every rank unchanged (their incoming gradients are identical)."""
 
-    def __init__(self, cfg: ModelConfig, ffn: int, ep_size: int, ep_rank: int, dtype: torch.dtype, device: Any) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return x.clone() if dist.get_rank(group) == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        return g, None
+
+
+class Experts(nn.Module):
+    """This rank's ``E/ep`` experts (GELU MLPs), stacked, their ffn dim split over ``expt_tp``:
+    ``w1 [E/ep, h, ffn/etp]``, ``b1 [E/ep, ffn/etp]``, ``w2 [E/ep, ffn/etp, h]``, ``b2 [E/ep, h]`` (replicated over
+    expt_tp; counted on its rank 0). With ``expt_tp > 1`` the output is a partial sum over expt_tp."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int, ep_size: int, ep_rank: int, dtype: torch.dtype, device: Any,
+                 etp_group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         E, h = cfg.num_experts, cfg.hidden
         n = E // ep_size
         self.first = ep_rank * n  # global id of the first local expert
+        self.etp_group = etp_group
+        f = ffn // group_size(etp_group)
         std2 = scaled_std(cfg.init_std, cfg.layers)
-        self.w1 = _expert_param((n, h, ffn), (E, h, ffn), "normal", cfg.init_std, dtype, device)
-        self.b1 = _expert_param((n, ffn), (E, ffn), "zeros", 0.0, dtype, device)
-        self.w2 = _expert_param((n, ffn, h), (E, ffn, h), "normal", std2, dtype, device)
+        self.w1 = _expert_param((n, h, f), (E, h, ffn), "normal", cfg.init_std, dtype, device, 2)
+        self.b1 = _expert_param((n, f), (E, ffn), "zeros", 0.0, dtype, device, 1)
+        self.w2 = _expert_param((n, f, h), (E, ffn, h), "normal", std2, dtype, device, 1)
         self.b2 = _expert_param((n, h), (E, h), "zeros", 0.0, dtype, device)
 
     def forward(self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``tokens [T, h]``, ``choice [T, k]`` global expert ids, ``gate [T, k]`` -> ``[T, h]`` weighted outputs."""
         out = torch.zeros_like(tokens)
+        b2 = _FirstRankOnly.apply(self.b2, self.etp_group) if group_size(self.etp_group) > 1 else self.b2
         for e in range(self.w1.shape[0]):
             # Every local expert runs, also on zero tokens, so every rank produces a gradient for every
             # expert parameter (FSDP's reduce-scatter needs them all).
             tok, slot = (choice == self.first + e).nonzero(as_tuple=True)
-            y = F.gelu(tokens[tok] @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+            y = F.gelu(tokens[tok] @ self.w1[e] + self.b1[e]) @ self.w2[e] + b2[e]
             out = out.index_add(0, tok, y * gate[tok, slot].unsqueeze(-1))
         return out
 
@@ -168,13 +189,13 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ffn: int, groups: Any, dtype: torch.dtype, device: Any) -> None:
         super().__init__()
-        self.group, self.tp, self.cp = groups.ep, groups.tp, groups.cp
+        self.group, self.tp, self.cp, self.etp = groups.ep, groups.tp, groups.cp, groups.expt_tp
         self.top_k, self.num_experts = cfg.moe_top_k, cfg.num_experts
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.router, False, -1, 1)
         init_spec(self.router, "normal", cfg.init_std)
-        self.experts = Experts(cfg, ffn, group_size(groups.ep), group_rank(groups.ep), dtype, device)
+        self.experts = Experts(cfg, ffn, group_size(groups.ep), group_rank(groups.ep), dtype, device, groups.expt_tp)
 
     def aux_loss(self, probs: torch.Tensor, choice: torch.Tensor, b: int) -> torch.Tensor:
         """Per-sequence load-balancing loss of ``probs [b·s, E]`` and ``choice [b·s, k]`` (this cp chunk)."""
@@ -200,7 +221,13 @@ class MoE(nn.Module):
         if tp > 1:  # each tp rank dispatches its share of the (replicated) tokens
             tokens, gate = _ScatterToTP.apply(tokens, self.tp), _ScatterToTP.apply(gate, self.tp)
             choice = choice.chunk(tp, dim=0)[group_rank(self.tp)]
+        etp = group_size(self.etp)
+        if etp > 1:  # the expt_tp group runs its ranks' tokens together, each rank its slice of every expert
+            tokens, gate = _Dim0.apply(tokens, self.etp, True), _Dim0.apply(gate, self.etp, True)
+            choice = all_gather_dim0(choice, self.etp)
         out = self._dispatch(tokens, choice, gate) if group_size(self.group) > 1 else self.experts(tokens, choice, gate)
+        if etp > 1:  # partial sums over the ffn slices: summed, and each rank keeps its own tokens' rows
+            out = _Dim0.apply(out, self.etp, False)
         if tp > 1:
             out = _GatherRows.apply(out, self.tp)
         out = out.view_as(x)

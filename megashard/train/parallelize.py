@@ -32,7 +32,7 @@ __all__ = ["parallelize", "finish_expert_grads", "global_dtensor", "param_layout
 
 #: Python attributes of a parameter that survive ``fully_shard`` (copied onto FSDP's new parameter).
 PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode",
-               "_global_shape", "_init", "_expert_parallel", "allreduce", "_tied_copy")
+               "_global_shape", "_init", "_expert_parallel", "allreduce", "_tied_copy", "_expert_tp_dim")
 
 
 def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -114,7 +114,9 @@ def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Plac
         mesh = state.expert_mesh
         ep = state.size("ep")
         fsdp = _StridedShard(0, split_factor=ep) if ep > 1 else Shard(0)
-        placements: tuple[Placement, ...] = (Replicate(), fsdp, Shard(0) if ep > 1 else Replicate(), Replicate())
+        etp_dim = getattr(p, "_expert_tp_dim", None)
+        etp = Shard(etp_dim) if etp_dim is not None and state.size("expt_tp") > 1 else Replicate()
+        placements: tuple[Placement, ...] = (Replicate(), fsdp, Shard(0) if ep > 1 else Replicate(), etp)
     else:
         proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
         for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):

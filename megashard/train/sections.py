@@ -54,7 +54,8 @@ class ModelConfig:
     """Std of the normal weight init; output projections use init_std / sqrt(2 · layers)."""
     num_experts: int = 0
     """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``. Experts fold over the same
-    ranks as attention (any tp, cp, dp; ``parallel.expt_tp`` = 1)."""
+    ranks as attention (any tp, cp, dp) with their own ``parallel.ep`` and ``parallel.expt_tp`` (which must divide
+    ``ffn_hidden``)."""
     moe_every: int = 2
     """With experts: every ``moe_every``-th block (1-based, the last one included) uses an MoE MLP."""
     moe_top_k: int = 1
