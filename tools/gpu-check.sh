@@ -111,9 +111,14 @@ VPY=$VENV/bin/python
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's megashard, whatever the venv holds
 export MEGASHARD_TE_INSTALL_ERROR="$TE_ERROR"
 
-NO_CUDA=$("$VPY" -c 'from megashard.state.devices import cuda_unavailable_reason as r; print(r() or "")' 2>&1) || {
-  say "error: $VPY cannot import megashard and torch: $NO_CUDA"; exit 2; }
-TORCH_LINE=$("$VPY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
+# One interpreter start: the torch build, the Python version, and why CUDA cannot be used here (empty: it can).
+FACTS=$("$VPY" -c 'import sys, torch
+from megashard.state.devices import cuda_unavailable_reason as r
+print(torch.__version__, "CUDA", torch.version.cuda); print(sys.version.split()[0]); print(r() or "")' 2>&1) || {
+  say "error: $VPY cannot import megashard and torch: $FACTS"; exit 2; }
+TORCH_LINE=$(sed -n 1p <<<"$FACTS")
+PY_VERSION=$(sed -n 2p <<<"$FACTS")
+NO_CUDA=$(sed -n 3p <<<"$FACTS")
 
 # ------------------------------------------------------------------------------------------------ the checks
 say "tests/gpu (log: $OUT/pytest.log)"
@@ -146,4 +151,4 @@ fi
 "$VPY" tools/gpu_check_report.py --junit "$OUT/tests.xml" --steps "$STEPS_TSV" --json "$OUT/summary.json" \
   $([ -z "$NO_CUDA" ] && echo --bench benchmarks/results/gpu.json) \
   --machine "gpu=${GPU_NAME:-none}" --machine "driver_cuda=${DRIVER_CUDA:-none}" --machine "torch=$TORCH_LINE" \
-  --machine "python=$("$VPY" -c 'import sys; print(sys.version.split()[0])')" --machine "venv=$VENV"
+  --machine "python=$PY_VERSION" --machine "venv=$VENV"

@@ -19,8 +19,10 @@ def _allocations() -> int:
 
 
 def _in_pool(pool: torch.cuda.MemPool, t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage lies in a segment of ``pool`` (segments carry their pool's id, as inductor reads them)."""
     ptr = t.untyped_storage().data_ptr()
-    return any(seg["address"] <= ptr < seg["address"] + seg["total_size"] for seg in pool.snapshot())
+    return any(tuple(seg["segment_pool_id"]) == tuple(pool.id) and seg["address"] <= ptr < seg["address"] + seg["total_size"]
+               for seg in torch.cuda.memory_snapshot())
 
 
 def test_buffer_on_cuda_reuses_its_pool_allocation():

@@ -100,8 +100,8 @@ def test_get_states_set_states_replay(cudagraphable):
         _equal(_draw(), first, "set_states of a snapshot taken inside a fork")
     if not cudagraphable:
         state = _get_cuda_rng_state()
-        assert state.dtype == torch.uint8 and state.device.type == "cpu"  # a CUDA generator's state tensor
-        assert not torch.equal(state, torch.get_rng_state()[: state.numel()])
+        # The CUDA generator's state (seed and Philox offset, 16 bytes), not the CPU generator's (5056 bytes).
+        assert state.dtype == torch.uint8 and state.numel() < torch.get_rng_state().numel(), state.numel()
 
 
 def test_graph_safe_states_in_a_captured_cuda_graph():
