@@ -1,5 +1,6 @@
 """The CUDA code paths that can be checked without a GPU: one clear error (and nothing lost) when CUDA, NCCL or
-TransformerEngine is missing, and the misuse of ``mem_alloc_context``. The GPU itself is tests/gpu's job."""
+TransformerEngine is missing, and the misuse of ``mem_alloc_context``. The GPU itself is tests/gpu's job; on a GPU
+machine these run as on a CPU machine too (tests/conftest.py hides the GPU from every test not marked ``gpu``)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,6 @@ from megashard.state.memory import GlobalMemoryBuffer
 from megashard.state.rng import get_cuda_rng_tracker, initialize_rng_tracker, model_parallel_manual_seed
 from megashard.state.rng_tracker import RNGStatesTracker, _get_cuda_rng_state, _set_cuda_rng_state
 
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the paths of a machine without CUDA")
-
 
 @pytest.fixture(autouse=True)
 def _fresh_tracker():
@@ -25,7 +24,6 @@ def _fresh_tracker():
     current_locals().reset()
 
 
-@needs_no_cuda
 def test_reason_names_the_build(monkeypatch):
     reason = cuda_unavailable_reason()
     if torch.version.cuda is None:
@@ -37,7 +35,6 @@ def test_reason_names_the_build(monkeypatch):
         "NVIDIA driver or GPU, CUDA_VISIBLE_DEVICES='')")
 
 
-@needs_no_cuda
 @pytest.mark.parametrize("config, message", [
     (dict(device="cuda"), "parallel.device=cuda, but this machine has no usable CUDA device"),
     (dict(backend="nccl"), "parallel.backend=nccl needs CUDA devices, but this machine has no usable CUDA device"),
@@ -56,7 +53,6 @@ def test_nccl_on_cpu_refused_when_the_config_is_built():
         ParallelConfig(backend="nccl", device="cpu")
 
 
-@needs_no_cuda
 def test_parallel_state_refuses_cuda_on_a_running_cpu_world():
     """A script that started its own (gloo) default group and asks for CUDA meshes: one line before any group."""
     import torch.distributed as dist
@@ -77,7 +73,6 @@ def test_parallel_state_refuses_cuda_on_a_running_cpu_world():
         dist.destroy_process_group()
 
 
-@needs_no_cuda
 def test_cudagraphable_rng_needs_cuda_and_keeps_the_streams():
     with pytest.raises(ConfigError, match=r"^use_cudagraphable_rng=True needs CUDA .*use use_cudagraphable_rng=False"):
         RNGStatesTracker(use_cudagraphable_rng=True)
@@ -103,7 +98,6 @@ def test_te_tracker_missing_keeps_the_streams():
     assert get_cuda_rng_tracker() is tracker and tracker.is_initialized()
 
 
-@needs_no_cuda
 def test_graph_safe_state_helpers_address_the_cpu_generator():
     """Without CUDA, graph_safe is ignored: plain state tensors of the CPU default generator."""
     torch.manual_seed(5)
@@ -114,7 +108,6 @@ def test_graph_safe_state_helpers_address_the_cpu_generator():
     assert torch.equal(torch.rand(8), want)
 
 
-@needs_no_cuda
 def test_memory_buffer_on_cuda_without_cuda():
     with pytest.raises(ConfigError, match=r"^GlobalMemoryBuffer\(device='cuda'\): this machine has no usable CUDA "
                                           r"device .*; use device='cpu'"):

@@ -136,7 +136,7 @@ def gloo_cuda():
     with tempfile.TemporaryDirectory(prefix="megashard-gloo-cuda-") as tmp:
         os.environ[DIR_ENV] = tmp
         try:
-            results = spawn_checks(CHECKS, world_size=WORLD, timeout=240, pg_timeout=60)
+            results = spawn_checks(CHECKS, world_size=WORLD, timeout=240, pg_timeout=60, cuda=True)
             skips = {c.__name__: open(os.path.join(tmp, f"{c.__name__}.skip")).read()
                      for c in CHECKS if os.path.exists(os.path.join(tmp, f"{c.__name__}.skip"))}
             yield results, skips
