@@ -119,6 +119,13 @@ print(torch.__version__, "CUDA", torch.version.cuda); print(sys.version.split()[
 TORCH_LINE=$(sed -n 1p <<<"$FACTS")
 PY_VERSION=$(sed -n 2p <<<"$FACTS")
 NO_CUDA=$(sed -n 3p <<<"$FACTS")
+if [ -n "$DRIVER_CUDA" ] && [ -n "$NO_CUDA" ]; then  # a GPU machine whose torch cannot use the GPU: say so, loudly
+  if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
+    step "setup: cuda" skipped "${GPU_NAME:-a GPU} is hidden on purpose (CUDA_VISIBLE_DEVICES='')"
+  else
+    step "setup: cuda" failed "nvidia-smi shows ${GPU_NAME:-a GPU} (driver CUDA $DRIVER_CUDA), but torch $TORCH_LINE cannot use it: $NO_CUDA"
+  fi
+fi
 
 # ------------------------------------------------------------------------------------------------ the checks
 say "tests/gpu (log: $OUT/pytest.log)"
