@@ -139,6 +139,7 @@ if [ -n "$NO_CUDA" ]; then
 else
   say "the default job on the GPU, $STEPS steps (log: $OUT/job.log)"
   start=$SECONDS
+  rm -rf "$OUT/job"  # a fresh run each time (its checkpoints would otherwise clash with the last run's)
   if "$VPY" -m megashard run configs/default.yaml parallel.device=cuda parallel.tp=1 parallel.dp_shard=1 \
       launch.nproc_per_node=1 launch.max_restarts=0 "train.steps=$STEPS" train.out_dir="$OUT/job" train.resume=false \
       train.progress=false checkpoint.interval=25 >"$OUT/job.log" 2>&1; then
