@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
     --no-setup) SETUP=0 ;;
     --out) OUT=$2; shift ;;
     --steps) STEPS=$2; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check.sh: error: unknown argument '$1' (valid: --no-setup, --out DIR, --steps N, --help)" >&2; exit 2 ;;
   esac
   shift
