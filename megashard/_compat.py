@@ -72,6 +72,13 @@ def mesh_release_groups(device_mesh) -> None:
         registry.clear()
 
 
+# --- a process group's backend object (tests/gpu: the NCCL options a communicator was created with) -----------
+def backend_options(group, device) -> object:
+    """The options of ``group``'s backend for ``device`` (``ProcessGroupNCCL.Options`` on NCCL): what the
+    communicator was created with (high-priority stream, ``config.cga_cluster_size`` / ``max_ctas`` / ...)."""
+    return group._get_backend(torch.device(device)).options
+
+
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
 def fake_store():
     """A ``FakeStore`` for ``init_process_group("fake", store=..., rank=r, world_size=W)``: one process

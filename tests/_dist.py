@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Callable, Sequence
 
 Check = Callable[[int, int], None]
+_UNSET = object()
 
 
 def _worker(rank: int, world_size: int, init_file: str, checks: Sequence[Check], q, pg_timeout: float, backend: str):
@@ -95,10 +96,13 @@ def spawn_checks(
     timeout: float = 240.0,
     pg_timeout: float = 30.0,
     backend: str = "gloo",
+    cuda: bool = False,
 ) -> DistResults:
     """Spawn ``world_size`` processes, join one process group, run every check on every rank.
 
-    ``timeout`` (s) bounds the whole spawn; ``pg_timeout`` (s) is every collective's timeout.
+    ``timeout`` (s) bounds the whole spawn; ``pg_timeout`` (s) is every collective's timeout. The processes see no
+    GPU (``CUDA_VISIBLE_DEVICES=""``) unless ``cuda=True`` (tests/gpu): on a GPU machine the CPU tests stay CPU
+    tests (megashard's ``auto`` device would otherwise pick the GPU).
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -109,8 +113,18 @@ def spawn_checks(
             ctx.Process(target=_worker, args=(r, world_size, init_file, list(checks), q, pg_timeout, backend), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        hidden = None if cuda or backend == "nccl" else os.environ.get("CUDA_VISIBLE_DEVICES", _UNSET)
+        if hidden is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by each child at start (spawn copies the environment)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if hidden is not None:
+                if hidden is _UNSET:
+                    del os.environ["CUDA_VISIBLE_DEVICES"]
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         running: dict[int, str] = {r: "<startup>" for r in range(world_size)}
         done: set[int] = set()
         deadline = time.monotonic() + timeout

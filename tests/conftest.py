@@ -1,4 +1,54 @@
 import os
 
+import pytest
+
+_REAL_CUDA: list = []  # [torch.cuda.is_available()] of this machine, asked once
+
 # Spawned gloo ranks share two cores: one thread each keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "gpu: needs a usable CUDA device (tests/gpu); skipped with a one-line reason where there is none",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, each with the one-line reason, on a machine without a usable CUDA device."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return
+    from megashard.state.devices import cuda_unavailable_reason  # imports torch: only when GPU tests are collected
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=f"needs CUDA: {reason}")
+        for item in marked:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests_see_a_cpu_machine(request, monkeypatch):
+    """On a machine with a GPU, every test not marked ``gpu`` runs as on a CPU machine: ``torch.cuda.is_available()``
+    is False in this process and no subprocess sees a GPU, so megashard's ``auto`` device, the RNG tracker's
+    generator and the memory buffer stay on the CPU these tests were written for. Nothing changes without a GPU."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    if not _REAL_CUDA:
+        import torch
+
+        _REAL_CUDA.append(torch.cuda.is_available())
+    if not _REAL_CUDA[0]:
+        yield
+        return
+    import torch
+
+    import megashard.state.rng_tracker as tracker_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(tracker_module, "_HAS_CUDA", None)  # re-asked (False) inside, forgotten afterwards
+    yield

@@ -31,6 +31,7 @@ SKIPPED = {
     "cuda": "needs CUDA GPUs (parallel.device=cuda); validated with --dry-run where CUDA is present",
     "slurm": "needs a Slurm allocation (srun)",
     "tokenizers": "needs the optional Hugging Face tokenizers package (pip install 'megashard[data]')",
+    "gpu-check": "sets up and runs the GPU check (tools/gpu-check.sh): tests/test_gpu_check.py runs it here",
 }
 
 
@@ -96,7 +97,11 @@ def _classify(where: str, line: str, error: str | None) -> list[tuple[Example | 
         argv = shlex.split(part, comments=True)
         if "|" in argv:  # `... | jq .groups`: the megashard part
             argv = argv[: argv.index("|")]
-        if argv[:2] == ["bash", "tools/setup.sh"]:
+        while argv and re.match(r"^[A-Z_]+=", argv[0]):  # `GPU_CHECK_VENV=.venv bash ...`: the command after the env
+            argv = argv[1:]
+        if argv[:2] == ["bash", "tools/gpu-check.sh"]:
+            out.append((None, "gpu-check"))
+        elif argv[:2] == ["bash", "tools/setup.sh"]:
             out.append((None, "setup"))
         elif "pytest" in argv:
             out.append((None, "suite"))

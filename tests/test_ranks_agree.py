@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 import warnings
 
@@ -136,10 +137,15 @@ def check_a_rank_that_never_joins_times_out(rank, world_size):
             check_ranks_agree(fields, timeout=1.5)
         assert time.monotonic() - t0 < 5.0
     else:
-        time.sleep(4.0)  # gloo closed the connection when rank 0's wait timed out: the late rank fails fast too
+        time.sleep(4.0)
+        # The late rank must not hang. Depending on timing, rank 0's timed-out all_reduce is either still queued
+        # in gloo (then it completes with this rank's, and the equal fields agree) or gloo has closed the
+        # connection (then this rank fails fast with that error) - never a wait for the 20 s group timeout.
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="(?i)closed|reset"):
+        try:
             check_ranks_agree(fields, timeout=TIMEOUT)
+        except RuntimeError as e:
+            assert re.search("(?i)closed|reset", str(e)), str(e)
         assert time.monotonic() - t0 < 5.0
 
 

@@ -68,7 +68,7 @@ def run(blocks, x0, *, ckpt: bool, distribute: bool = False, tp_rank: int = 0, g
     h = x
     for b in blocks:
         h = checkpoint(b, distribute, h, group=group) if ckpt else b(h)
-    upstream = torch.linspace(-1.0, 2.0, h.numel()).view_as(h)
+    upstream = torch.linspace(-1.0, 2.0, h.numel(), device=h.device).view_as(h)
     (h * upstream).sum().backward()
     grads = [p.grad.clone() for b in blocks for p in b.parameters()]
     after = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())

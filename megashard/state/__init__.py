@@ -24,6 +24,7 @@ from megashard.state.current import (
 from megashard.state.devices import (
     LAUNCHER_ENV,
     check_devices,
+    cuda_unavailable_reason,
     current_device,
     end_distributed,
     init_distributed,
@@ -34,7 +35,7 @@ from megashard.state.meshes import VIEW_AXES
 from megashard.state.pool import pooled_group_count, release_process_groups
 
 __all__ = [
-    "LAUNCHER_ENV", "LayoutLocals", "ParallelState", "VIEW_AXES", "check_devices", "current_device", "current_locals",
+    "LAUNCHER_ENV", "LayoutLocals", "ParallelState", "VIEW_AXES", "check_devices", "cuda_unavailable_reason", "current_device", "current_locals",
     "destroy", "end_distributed", "get_parallel_state", "init_distributed", "initialize", "is_initialized", "pooled_group_count",
     "release_process_groups", "resolve_backend", "set_parallel_state",
 ]

@@ -22,6 +22,7 @@ one, which the Megatron-style functions use, is kept by :mod:`megashard.state.cu
 """
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -32,7 +33,7 @@ from megashard._compat import mesh_release_groups
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError, did_you_mean
 from megashard.layout import GROUP_NAMES, RankLayout
-from megashard.state.devices import current_device
+from megashard.state.devices import check_devices, current_device
 from megashard.state.layout_locals import LayoutLocals
 from megashard.state.meshes import VIEW_AXES, build_view
 from megashard.state.pool import pooled_group
@@ -69,6 +70,11 @@ class ParallelState:
                 "megashard.state.init_distributed(config)) before creating a ParallelState"
             )
         from megashard.state.agreement import check_ranks_agree, fingerprint
+
+        if dist.get_backend() != "fake":  # a simulation needs no devices
+            # device=cuda / backend=nccl on a machine without them: one line here, not an error from inside torch at
+            # the first mesh or collective (init_distributed checks the same when it starts the default group).
+            check_devices(config if device_type is None else dataclasses.replace(config, device=device_type))
 
         # The config was checked when it was built (it is frozen); the sizes are resolved after the ranks agree.
         check_ranks_agree(fingerprint(config, agree_on), timeout=config.timeout)

@@ -17,7 +17,22 @@ import torch.distributed as dist
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError
 
-__all__ = ["LAUNCHER_ENV", "check_devices", "current_device", "end_distributed", "init_distributed", "resolve_backend"]
+__all__ = ["LAUNCHER_ENV", "check_devices", "cuda_unavailable_reason", "current_device", "end_distributed",
+           "init_distributed", "resolve_backend"]
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why this process cannot use CUDA, in one line (``None`` when ``torch.cuda.is_available()``): a CPU-only torch
+    build, or a CUDA build that finds no usable device (no driver, ``CUDA_VISIBLE_DEVICES`` empty, ...). The
+    reason the device checks, the GPU tests and the GPU benchmarks give."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this machine has no usable CUDA device (torch {torch.__version__}, a CPU-only build)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+    return (f"this machine has no usable CUDA device (torch {torch.__version__} built for CUDA {torch.version.cuda} "
+            f"finds none: no NVIDIA driver or GPU{hint})")
 
 
 def current_device(device: str = "auto") -> torch.device:
@@ -44,13 +59,12 @@ def check_devices(config: ParallelConfig, processes_per_node: int | None = None,
     ``backend=nccl`` without a usable CUDA device or NCCL, or fewer CUDA devices than ``processes_per_node``.
     ``prefix`` names the fields (``"parallel."`` for a job YAML)."""
     cpu_fix = f"use {prefix}device=cpu (or auto) and {prefix}backend=gloo (or auto) on this machine"
-    no_cuda = (f"this machine has no usable CUDA device (torch {torch.__version__}"
-               f"{', a CPU-only build' if torch.version.cuda is None else ''})")
-    if config.device == "cuda" and not torch.cuda.is_available():
+    no_cuda = cuda_unavailable_reason()
+    if config.device == "cuda" and no_cuda:
         raise ConfigError(f"{prefix}device=cuda, but {no_cuda}; {cpu_fix}")
     backend = resolve_backend(config)
     if backend == "nccl":
-        if not torch.cuda.is_available():
+        if no_cuda:
             raise ConfigError(f"{prefix}backend=nccl needs CUDA devices, but {no_cuda}; {cpu_fix}")
         if not dist.is_nccl_available():
             raise ConfigError(f"{prefix}backend=nccl, but this torch build has no NCCL; use {prefix}backend=gloo")

@@ -45,11 +45,19 @@ def _checked_shape(tensor_shape: object, name: str) -> tuple[int, ...]:
 class GlobalMemoryBuffer:
     """One flat buffer per ``(name, dtype)``, grown when a request does not fit.
 
-    ``device`` defaults to the CUDA current device when CUDA is available, else the CPU.
+    ``device`` defaults to the CUDA current device when CUDA is available, else the CPU; a CUDA ``device``
+    without a usable CUDA device raises :class:`~megashard.errors.ConfigError` here, not at the first request.
     """
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
         self.device = torch.device(device) if device is not None else current_device()
+        if self.device.type == "cuda":
+            from megashard.state.devices import cuda_unavailable_reason
+
+            why = cuda_unavailable_reason()
+            if why:
+                raise ConfigError(f"GlobalMemoryBuffer(device={str(self.device)!r}): {why}; use device='cpu' "
+                                  "(or leave it unset: the CUDA current device when there is one, else the CPU)")
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._shapes: dict[tuple, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}  # shape -> (shape, numel, strides)
 
@@ -86,7 +94,7 @@ class GlobalMemoryBuffer:
         if buf is None or buf.numel() < required:
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError(f"get_tensor({name!r}): dtype must be a torch.dtype, got {dtype!r}")
-            ctx = mem_alloc_context() if mem_alloc_context is not None else contextlib.nullcontext()
+            ctx = _allocation_context(mem_alloc_context, name)
             with ctx:
                 buf = torch.empty(required, dtype=dtype, device=self.device, requires_grad=False)
             self.buffer[key] = buf
@@ -100,6 +108,24 @@ class GlobalMemoryBuffer:
     def nbytes(self) -> int:
         """Total bytes held by the buffers."""
         return sum(b.numel() * b.element_size() for b in self.buffer.values())
+
+
+def _allocation_context(mem_alloc_context: Optional[Callable[[], contextlib.AbstractContextManager]],
+                        name: str) -> contextlib.AbstractContextManager:
+    """``mem_alloc_context()``, checked: a callable that returns a context manager (e.g.
+    ``lambda: torch.cuda.use_mem_pool(pool)``), not the context manager itself (a ``with`` block can be entered
+    only once, and the buffer allocates again whenever a request outgrows it)."""
+    if mem_alloc_context is None:
+        return contextlib.nullcontext()
+    fix = "pass a callable that returns one, e.g. mem_alloc_context=lambda: torch.cuda.use_mem_pool(pool)"
+    if not callable(mem_alloc_context):
+        raise ConfigError(f"get_tensor({name!r}): mem_alloc_context must be a callable returning a context manager, "
+                          f"got {type(mem_alloc_context).__name__} {mem_alloc_context!r}; {fix}")
+    ctx = mem_alloc_context()
+    if not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
+        raise ConfigError(f"get_tensor({name!r}): mem_alloc_context() returned {type(ctx).__name__} {ctx!r}, not a "
+                          f"context manager; {fix}")
+    return ctx
 
 
 def get_global_memory_buffer() -> GlobalMemoryBuffer:

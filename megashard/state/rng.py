@@ -65,9 +65,7 @@ def initialize_rng_tracker(
     """
     owner = _current.current_locals()
     flags = (bool(use_te_rng_tracker), bool(inference_rng_tracker), bool(use_cudagraphable_rng))
-    if force_reset:
-        owner.rng_tracker, owner.rng_tracker_flags = None, None
-    if owner.rng_tracker is not None:
+    if owner.rng_tracker is not None and not force_reset:
         if flags != owner.rng_tracker_flags:
             warnings.warn(
                 f"RNG tracker already initialised with {_describe_flags(owner.rng_tracker_flags)}; the request for "
@@ -76,6 +74,8 @@ def initialize_rng_tracker(
                 stacklevel=2,
             )
         return
+    # Built before the old tracker is dropped: a request this machine cannot serve (TE missing, CUDA graphs without
+    # CUDA) raises and leaves the existing tracker and its streams as they were, also with force_reset=True.
     if use_te_rng_tracker:
         tracker = _te_tracker_class()(is_inference_rng_tracker=inference_rng_tracker)
     else:
