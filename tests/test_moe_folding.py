@@ -5,7 +5,8 @@ mixtures of 4 experts (top-2, the router's load-balancing loss on) for 10 steps 
 
 * folding tp=2 · dp_shard=2 with ep=2, expt_tp=1 (expt_dp=2), ep=4 (expt_dp=1), cp=2 with ep=2, a pipeline
   pp=2 · tp=2 with ep=2, and expert tensor parallelism (tp=2 · ep=2 · expt_tp=2; dp_shard=4 with expt_tp=2):
-  every step's loss within 1e-10 relative of the single process;
+  every step's loss within 1e-10 relative of the single process; a Llama model (SwiGLU experts, tied
+  embeddings) at tp=2 · ep=2 · expt_tp=2 too;
 * the load-balancing loss changes the training (a run without it differs);
 * the ep=4 run's step-5 checkpoint loaded at ep=2, ep=1 and ep=2 · expt_tp=2 and saved again is bitwise the same checkpoint
   (experts and AdamW state), and training resumed from it continues with the ep=4 run's losses.
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from tests._dist import spawn_checks
-from tests.test_pipeline import ENV, F64, STEPS, _assert_close, _flat, _full, _losses, _roundtrip_from, _run
+from tests.test_pipeline import ENV, F64, LLAMA, STEPS, _assert_close, _flat, _full, _losses, _roundtrip_from, _run
 
 MOE = ["model.num_experts=4", "model.moe_every=2", "model.moe_top_k=2", "model.ffn_hidden=128",
        "model.moe_aux_loss_coeff=0.01"] + F64
@@ -38,6 +39,14 @@ def check_single_moe(rank, world_size):
 
 def check_single_moe_no_aux(rank, world_size):
     _run("single-moe-no-aux", MOE + ["model.moe_aux_loss_coeff=0"])
+
+
+def check_single_llama_moe(rank, world_size):
+    _run("single-llama-moe", MOE + LLAMA)
+
+
+def check_llama_fold_tp2_ep2_etp2(rank, world_size):
+    _run("llama-fold-tp2-ep2-etp2", MOE + LLAMA + ["parallel.tp=2", "parallel.ep=2", "parallel.expt_tp=2"])
 
 
 def check_fold_tp2_ep2(rank, world_size):
@@ -88,9 +97,9 @@ def check_resume_etp2(rank, world_size):
     _resume("moe-resume-etp2", ["parallel.ep=2", "parallel.expt_tp=2"])
 
 
-ONE = [check_single_moe, check_single_moe_no_aux]
+ONE = [check_single_moe, check_single_moe_no_aux, check_single_llama_moe]
 FOUR = [check_fold_tp2_ep2, check_ep4, check_cp2_ep2, check_pp2_tp2_ep2, check_fold_tp2_ep2_etp2, check_etp2,
-        check_resume_ep2, check_resume_ep1, check_resume_etp2]
+        check_llama_fold_tp2_ep2_etp2, check_resume_ep2, check_resume_ep1, check_resume_etp2]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +127,15 @@ def test_moe_loss_parity_with_one_process(runs, run):
     want = _losses(tmp, "single-moe")
     _assert_close(_losses(tmp, run), want, 1e-10, range(1, STEPS + 1))
     _assert_close(_losses(tmp, run, "norms"), _losses(tmp, "single-moe", "norms"), 1e-10, range(1, STEPS + 1))
+
+
+def test_llama_experts_fold_with_expert_tensor_parallelism(runs):
+    tmp, one, four = runs
+    one.assert_ok("check_single_llama_moe")
+    four.assert_ok("check_llama_fold_tp2_ep2_etp2")
+    want = _losses(tmp, "single-llama-moe")
+    _assert_close(_losses(tmp, "llama-fold-tp2-ep2-etp2"), want, 1e-10, range(1, STEPS + 1))
+    assert want[STEPS] != _losses(tmp, "single-moe")[STEPS]  # SwiGLU experts: another model
 
 
 def test_the_load_balancing_loss_acts(runs):

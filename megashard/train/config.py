@@ -323,8 +323,6 @@ class JobConfig:
         _need(m.norm_eps > 0 and m.rope_theta > 0, f"model.norm_eps={m.norm_eps} and model.rope_theta={m.rope_theta} "
               "must be > 0")
         if m.arch == "llama":
-            _need(m.num_experts == 0, f"model.arch=llama has dense SwiGLU MLPs only: use model.num_experts=0 "
-                  f"(got {m.num_experts}) or model.arch=gpt for experts")
             _need((m.hidden // m.heads) % 2 == 0,
                   f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")

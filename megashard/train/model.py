@@ -148,14 +148,14 @@ class Block(nn.Module):
         self.ln1 = _norm(cfg, dtype, device)
         self.attn = Attention(cfg, groups, dtype, device, rotary)
         self.ln2 = _norm(cfg, dtype, device)
-        if cfg.arch == "llama":
-            from megashard.train.llama import SwiGLU
-
-            self.mlp: nn.Module = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
-        elif moe:
+        if moe:  # experts of the architecture's MLP kind (GELU or SwiGLU)
             from megashard.train.moe import MoE
 
             self.mlp: nn.Module = MoE(cfg, ffn, groups, dtype, device)
+        elif cfg.arch == "llama":
+            from megashard.train.llama import SwiGLU
+
+            self.mlp = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
         else:
             self.mlp = MLP(cfg, ffn, groups, dtype, device)
         self.dropout = cfg.dropout

@@ -64,9 +64,10 @@ class _FirstRankOnly(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """This rank's ``E/ep`` experts (GELU MLPs), stacked, their ffn dim split over ``expt_tp``:
+    """This rank's ``E/ep`` experts, stacked, their ffn dim split over ``expt_tp``. ``gpt``: GELU MLPs,
     ``w1 [E/ep, h, ffn/etp]``, ``b1 [E/ep, ffn/etp]``, ``w2 [E/ep, ffn/etp, h]``, ``b2 [E/ep, h]`` (replicated over
-    expt_tp; counted on its rank 0). With ``expt_tp > 1`` the output is a partial sum over expt_tp."""
+    expt_tp; counted on its rank 0). ``llama``: SwiGLU without biases, ``w1`` (gate) and ``w3`` (up)
+    ``[E/ep, h, ffn/etp]``, ``w2`` (down). With ``expt_tp > 1`` the output is a partial sum over expt_tp."""
 
     def __init__(self, cfg: ModelConfig, ffn: int, ep_size: int, ep_rank: int, dtype: torch.dtype, device: Any,
                  etp_group: Optional[dist.ProcessGroup] = None) -> None:
@@ -77,20 +78,31 @@ class Experts(nn.Module):
         self.etp_group = etp_group
         f = ffn // group_size(etp_group)
         std2 = scaled_std(cfg.init_std, cfg.layers)
+        self.swiglu = cfg.arch == "llama"
         self.w1 = _expert_param((n, h, f), (E, h, ffn), "normal", cfg.init_std, dtype, device, 2)
-        self.b1 = _expert_param((n, f), (E, ffn), "zeros", 0.0, dtype, device, 1)
+        if self.swiglu:
+            self.w3 = _expert_param((n, h, f), (E, h, ffn), "normal", cfg.init_std, dtype, device, 2)
+        else:
+            self.b1 = _expert_param((n, f), (E, ffn), "zeros", 0.0, dtype, device, 1)
         self.w2 = _expert_param((n, f, h), (E, ffn, h), "normal", std2, dtype, device, 1)
-        self.b2 = _expert_param((n, h), (E, h), "zeros", 0.0, dtype, device)
+        if not self.swiglu:
+            self.b2 = _expert_param((n, h), (E, h), "zeros", 0.0, dtype, device)
 
     def forward(self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``tokens [T, h]``, ``choice [T, k]`` global expert ids, ``gate [T, k]`` -> ``[T, h]`` weighted outputs."""
         out = torch.zeros_like(tokens)
-        b2 = _FirstRankOnly.apply(self.b2, self.etp_group) if group_size(self.etp_group) > 1 else self.b2
+        b2 = None
+        if not self.swiglu:
+            b2 = _FirstRankOnly.apply(self.b2, self.etp_group) if group_size(self.etp_group) > 1 else self.b2
         for e in range(self.w1.shape[0]):
             # Every local expert runs, also on zero tokens, so every rank produces a gradient for every
             # expert parameter (FSDP's reduce-scatter needs them all).
             tok, slot = (choice == self.first + e).nonzero(as_tuple=True)
-            y = F.gelu(tokens[tok] @ self.w1[e] + self.b1[e]) @ self.w2[e] + b2[e]
+            x = tokens[tok]
+            if self.swiglu:
+                y = (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+            else:
+                y = F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + b2[e]
             out = out.index_add(0, tok, y * gate[tok, slot].unsqueeze(-1))
         return out
 
