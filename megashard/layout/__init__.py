@@ -6,7 +6,7 @@
 
 Modules: ``groups`` (the group names and the grid axes they span), ``grid`` (mixed-radix rank arithmetic,
 :class:`GroupMembers`), ``rank_layout`` (:class:`RankLayout`), ``node_locality`` (node-boundary counts),
-``plan`` (the report of ``megashard plan``) and ``plan_svg`` (its picture). :class:`~megashard.state.ParallelState` creates
+``rank_generator`` (Megatron's :class:`RankGenerator` over the same grid), ``plan`` (the report of ``megashard plan``) and ``plan_svg`` (its picture). :class:`~megashard.state.ParallelState` creates
 its process groups from a :class:`RankLayout`.
 """
 from megashard.layout.grid import GroupMembers, RankGrid
@@ -19,9 +19,10 @@ from megashard.layout.groups import (
     NODE_LOCAL_GROUPS,
 )
 from megashard.layout.node_locality import LocalityReport, locality, locality_warning
+from megashard.layout.rank_generator import RankGenerator
 from megashard.layout.rank_layout import RankLayout
 
 __all__ = [
     "DENSE_GROUPS", "DENSE_MESH_AXES", "EXPERT_GROUPS", "EXPERT_MESH_AXES", "GROUP_NAMES", "NODE_LOCAL_GROUPS",
-    "GroupMembers", "LocalityReport", "RankGrid", "RankLayout", "locality", "locality_warning",
+    "GroupMembers", "LocalityReport", "RankGenerator", "RankGrid", "RankLayout", "locality", "locality_warning",
 ]
