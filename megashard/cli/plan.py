@@ -121,10 +121,12 @@ def add(sub: argparse._SubParsersAction) -> None:
             "  megashard plan --tp 8 --pp 4 --world-size 128\n"
             "  megashard plan --tp 2 --ep 4 --dp-outer 2 --dp-shard -1 --world-size 64 --rank 9\n"
             f"  megashard plan {DEFAULT_CONFIG}\n"
-            f"  megashard plan {DEFAULT_CONFIG} --world-size 32 --tp 4          # flags win over the YAML\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 32 --tp 4\n"
+            "  megashard plan configs/modules/vision-llm.yaml\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 parallel.dp_shard=-1 --rank 5\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
+            "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -77,7 +77,9 @@ class ModulesConfig:
     feeds dst's first). Checked when built: unique names, disjoint ranges, known connection ends."""
 
     modules: tuple[ModuleConfig, ...]
+    """The modules, in the order written (the default connections follow it)."""
     connections: tuple[tuple[str, str], ...]
+    """``(src, dst)`` module names: src's last pipeline stage feeds dst's first."""
 
     def __post_init__(self) -> None:
         if not self.modules:
