@@ -116,6 +116,20 @@ def test_get_ranks_equals_megatron_on_random_configs(expert):
     assert checked > 1500
 
 
+@pytest.mark.parametrize("expert", [False, True], ids=["dense", "expert"])
+def test_every_token_on_small_configs(expert):
+    """Every token string (every subset of the order's axes) of 60 random small configs."""
+    rng = random.Random(140 + expert)
+    for _ in range(60):
+        sizes, order, off = _random_config(rng, expert)
+        while sizes["tp"] * sizes["dp"] * sizes["pp"] * sizes["ep"] * sizes["cp"] * sizes["gtp_remat"] > 64:
+            sizes, order, off = _random_config(rng, expert)
+        gen = RankGenerator(sizes["tp"], sizes["ep"], sizes["dp"], sizes["pp"], sizes["cp"], order, off,
+                            sizes["gtp_remat"])
+        for token in _tokens_of(gen.order):
+            assert gen.get_ranks(token) == megatron_get_ranks(sizes, order, token, off), (sizes, order, token)
+
+
 def test_known_layouts_and_expert_tp_dp():
     gen = RankGenerator(tp=2, ep=1, dp=2, pp=4, cp=1, order="tp-cp-ep-dp-pp")
     assert gen.get_ranks("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
