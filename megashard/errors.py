@@ -98,3 +98,20 @@ class DataError(MegashardError, ValueError):
 
 class MissingExtraError(MegashardError, ImportError):
     """An optional feature needs a package that is not installed; the message says what to ``pip install``."""
+
+
+class RankGridError(ConfigError, RuntimeError):
+    """A rank-grid request that Megatron-LM refuses with RuntimeError (an axis of size > 1 missing from ``order``,
+    a ``HyperCommGrid`` larger than the world): catchable as either."""
+
+
+class RankGridAssertionError(ConfigError, AssertionError):
+    """A ``RankGenerator`` with both ep and cp > 1, which Megatron-LM refuses with an assert: catchable as either."""
+
+
+class RankGridKeyError(MegashardError, KeyError):
+    """A lookup Megatron-LM answers with KeyError (a process group created twice or not yet, an unknown view or
+    order token); the message is shown as written (KeyError would quote it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
