@@ -103,3 +103,20 @@ class MissingExtraError(MegashardError, ImportError):
 class PipelineError(MegashardError, RuntimeError):
     """A pipeline stage failed or timed out; the message names the stage, its pp rank and global rank, the schedule
     and the step."""
+
+
+class RankGridError(ConfigError, RuntimeError):
+    """A rank-grid request that Megatron-LM refuses with RuntimeError (an axis of size > 1 missing from ``order``,
+    a ``HyperCommGrid`` larger than the world): catchable as either."""
+
+
+class RankGridAssertionError(ConfigError, AssertionError):
+    """A ``RankGenerator`` with both ep and cp > 1, which Megatron-LM refuses with an assert: catchable as either."""
+
+
+class RankGridKeyError(MegashardError, KeyError):
+    """A lookup Megatron-LM answers with KeyError (a process group created twice or not yet, an unknown view or
+    order token); the message is shown as written (KeyError would quote it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

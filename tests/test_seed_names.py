@@ -23,7 +23,7 @@ SEED_NAMES = {
         "gather_and_compute_chunk_metadata", "update_uneven_dtensor_chunk_metadata", "validate_uneven_dtensor",
         "filter_unflattened_state_dict", "get_unflattened_state_dict", "preprocess_state_dict_for_uneven_dtensor",
         "gather_uneven_dtensor_to_full_tensor", "_assemble_full_tensor_from_uneven_chunks", "split_dtensor",
-        "_intersection", "_offset_slice"],
+        "_intersection", "_offset_slice", "uneven_dtensor_to_full_tensor", "redistribute_uneven_dtensor_to_replicated"],
     "001 OLMo-core distributed.tensors": [
         "ShardedFlatTensor", "ShardedFlatParameter", "ShardingSpec", "compute_local_shape_and_global_offset",
         "get_local_shape_and_global_offset"],

@@ -434,7 +434,6 @@ def _local_is_view(piece, dt):
 def check_split_dtensor(rank, world_size):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from megashard.errors import UnevenDTensorError
     from megashard.tensors.uneven import get_chunk_layout, split_dtensor, update_uneven_dtensor_chunk_metadata
 
     m1 = _mesh((W,))
@@ -443,7 +442,10 @@ def check_split_dtensor(rank, world_size):
     dt = distribute_tensor(g, m1, [Shard(0)])
     with _Count() as c:
         pieces = list(split_dtensor(dt, 4, dim=0, update_uneven_dtensor_chunk_meta=True))
-    assert sum(c.n.values()) == 0  # no communication
+    assert c.n["all_gather"] + c.n["all_gather_object"] + c.n["all_gather_into_tensor"] >= 1  # no metadata yet
+    with _Count() as c:  # the layout is attached now: the next split communicates nothing
+        again = list(split_dtensor(dt, 8, dim=0))
+    assert sum(c.n.values()) == 0 and [p.shape[0] for p in again] == [8, 8]
     assert [p.shape[0] for p in pieces] == [4, 4, 4, 4]
     for k, p in enumerate(pieces):
         assert p.to_local().shape[0] == (4 if k == rank else 0) and _local_is_view(p, dt)
@@ -488,14 +490,73 @@ def check_split_dtensor(rank, world_size):
     for p, (a, b) in zip(pieces, [(0, 1), (1, 3)]):
         assert torch.equal(_gather(p), g[a:b])
         assert (p.__create_chunk_list__() == []) == (p.to_local().numel() == 0)
-    # an arbitrary uneven DTensor: its layout must be known before a (communication-free) split
+    # an arbitrary uneven DTensor with its layout attached first: the split is communication-free
     g = _arange(10, 2)
     dt, start, size = _make(g, m1, [Shard(0)], {0: [0]}, lambda d, p, e, n: [1, 5, 0, 4])
-    if size[0] != [3, 3, 3, 1][rank]:
-        _expect_raise(lambda: list(split_dtensor(dt, 5)), UnevenDTensorError, "update_uneven_dtensor_chunk_metadata")
     update_uneven_dtensor_chunk_metadata(dt)
-    pieces = list(split_dtensor(dt, [5, 5], dim=0))  # no layout attached to the pieces
+    with _Count() as c:
+        pieces = list(split_dtensor(dt, [5, 5], dim=0))  # no layout attached to the pieces
+    assert sum(c.n.values()) == 0
     assert torch.equal(_gather(pieces[0]), g[:5]) and torch.equal(_gather(pieces[1]), g[5:])
+    # the DCP hooks sit where Megatron-FSDP looks for them, on the local tensor too
+    assert dt._local_tensor.__create_chunk_list__() == dt.__create_chunk_list__()
+    assert (dt.__create_chunk_list__() == []) == (size[0] == 0)
+    if size[0]:
+        assert tuple(dt._local_tensor.__create_chunk_list__()[0].offsets) == (start[0], 0)
+
+
+def _check_pieces(pieces, g, dim, sections, start, size):
+    """Every piece's local tensor is the slice of ``g`` this rank's shard ``(start, size)`` holds of it, and the
+    piece gathers to the slice of the full tensor."""
+    a = 0
+    for piece, n in zip(pieces, sections):
+        lo, hi = max(a, start[dim]), min(a + n, start[dim] + size[dim])
+        box = g
+        for d in range(g.ndim):
+            box = box.narrow(d, lo, max(0, hi - lo)) if d == dim else box.narrow(d, start[d], size[d])
+        assert tuple(piece.shape) == tuple(g.narrow(dim, a, n).shape)
+        assert torch.equal(piece.to_local(), box), (a, n, start, size, piece.to_local().shape, box.shape)
+        assert torch.equal(_gather(piece), g.narrow(dim, a, n))
+        a += n
+
+
+def check_split_without_metadata_random(rank, world_size):
+    """split_dtensor on shards of random sizes (zeros included) that no layout was computed for: every rank gets
+    its right pieces (the layout is computed in the call, which every rank makes)."""
+    from torch.distributed.tensor import Shard
+
+    from megashard.tensors.uneven import get_chunk_layout, split_dtensor
+    from megashard.tensors.uneven.layout import attached_layout
+
+    m1, m2 = _mesh((W,)), _mesh((2, 2))
+    cases = []
+    for seed in range(12):
+        rng = random.Random(seed)
+        rows, cols = rng.randint(0, 13), rng.randint(1, 6)
+        if seed % 3 == 2:  # 2-D mesh: rows by axis 0, columns by axis 1
+            cases.append((seed, (rows, cols), m2, [Shard(0), Shard(1)], {0: [0], 1: [1]}))
+        elif seed % 3 == 1:  # both axes on the rows (Shard(0), Shard(0))
+            cases.append((seed, (rows, cols), m2, [Shard(0), Shard(0)], {0: [0, 1]}))
+        else:
+            cases.append((seed, (rows, cols), m1, [Shard(0)], {0: [0]}))
+    for seed, shape, mesh, placements, orders in cases:
+        rng = random.Random(1000 + seed)
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        dt, start, size = _make(g, mesh, placements, orders, _random_parts(seed, zero_bias=True))
+        assert attached_layout(dt) is None
+        for dim in (0, 1):
+            ext = shape[dim]
+            if seed % 2:
+                sections = _rand_parts(ext, rng.randint(1, 4), rng)
+            else:
+                step = rng.randint(1, max(1, ext))
+                sections = [min(step, ext - s) for s in range(0, ext, step)] or [0]
+            fresh = dt if dim == 0 else _make(g, mesh, placements, orders, _random_parts(seed, zero_bias=True))[0]
+            pieces = list(split_dtensor(fresh, sections if seed % 2 else sections[0] or 1, dim=dim,
+                                        update_uneven_dtensor_chunk_meta=bool(seed % 2)))
+            assert len(pieces) == len(sections), (sections, [p.shape for p in pieces])
+            _check_pieces(pieces, g, dim, sections, start, size)
+            assert get_chunk_layout(fresh) is not None  # computed in the call and kept
 
 
 CHECKS = [
@@ -510,6 +571,7 @@ CHECKS = [
     check_mismatched_state_dicts_raise_everywhere,
     check_invalid_tilings_raise_everywhere,
     check_split_dtensor,
+    check_split_without_metadata_random,
 ]
 
 

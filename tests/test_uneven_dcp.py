@@ -98,11 +98,14 @@ def check_dcp_fsdp_adamw_and_arbitrary_uneven(rank, world_size):
         lay = get_chunk_layout(v)
         assert (lay.local_shape, lay.offsets) == (tuple(shape), tuple(off)), k
     # ... and differs from it for the arbitrary layout, which is why the hook is needed
-    ours = sd["extra"]["rows"].__create_chunk_list__()
-    theirs = DTensor.__create_chunk_list__(sd["extra"]["rows"])
+    rows_dt = sd["extra"]["rows"]
+    ours = rows_dt.__create_chunk_list__()
     assert [tuple(c.offsets) for c in ours] == [[(0, 0)], [], [(5, 0)], [(7, 0)]][rank]
+    # DTensor's own hook delegates to the local tensor's, where Megatron-FSDP puts (and looks for) it
+    assert DTensor.__create_chunk_list__(rows_dt) == ours == rows_dt._local_tensor.__create_chunk_list__()
+    _, theirs = torch_compute_local_shape_and_global_offset(rows_dt.shape, rows_dt.device_mesh, rows_dt.placements)
     if rank == 2:
-        assert tuple(theirs[0].offsets) != (5, 0)
+        assert tuple(theirs) != (5, 0)
 
     path = _shared_tmpdir()
     try:

@@ -1,4 +1,7 @@
-"""``megashard plan CONFIG``: the rank layout of a job YAML for any world size, without processes.
+"""``megashard plan [CONFIG] [--tp N --pp N ...]``: the rank layout of a job for any world size, without processes.
+
+The sizes come from a job YAML, from flags (``--tp 8 --pp 4 --world-size 128``, no YAML needed) or both (flags
+win); a multi-module YAML (``modules:``) is planned by :mod:`megashard.cli.plan_modules`.
 
 The file is read once (:func:`load_config`: every section checked as ``megashard run`` checks it, only the
 parallel layout resolved), the layout resolved once, and the report built by :mod:`megashard.layout.plan`
@@ -8,15 +11,40 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any, Iterable
 
-from megashard.cli.options import DEFAULT_CONFIG, add_config_arguments, check_int, check_output_path
+from megashard.cli.options import DEFAULT_CONFIG, check_int, check_output_path
 from megashard.config import ParallelConfig, check_world_size, parallel_section, yamlfile
 from megashard.errors import ConfigError
 
 #: The keys of a bare parallel config (a YAML file without sections).
 _PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
+#: ``megashard plan`` flags for the ParallelConfig sizes: (field, type, help).
+SIZE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("tp", int, "tensor-parallel size"),
+    ("cp", int, "context-parallel size"),
+    ("pp", int, "pipeline-parallel size"),
+    ("vpp", int, "virtual pipeline stages per rank (needs --pp > 1)"),
+    ("dp", int, "data-parallel size (default: derived)"),
+    ("dp_outer", int, "HSDP replica count"),
+    ("dp_shard", int, "FSDP shard count inside a replica (default: derived)"),
+    ("ep", int, "expert-parallel size"),
+    ("expt_tp", int, "expert tensor-parallel size"),
+    ("expt_dp", int, "expert data-parallel size (default: derived)"),
+    ("order", str, "Megatron rank order, e.g. tp-cp-ep-dp-pp (leftmost fastest)"),
+)
+
+
+def size_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The ParallelConfig fields given as flags (``--tp 8`` -> ``{"tp": 8}``)."""
+    return {f: getattr(args, f"size_{f}") for f, _, _ in SIZE_FLAGS if getattr(args, f"size_{f}", None) is not None}
+
+
+def flags_text(flags: dict[str, Any]) -> str:
+    """``--tp 8 --pp 4`` for the report's header."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
 
 
 def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
@@ -37,25 +65,28 @@ def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
     return vals["nnodes"] * vals["nproc_per_node"]
 
 
-def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None = None) -> tuple[ParallelConfig, int]:
+def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None = None,
+                doc: dict[str, Any] | None = None) -> tuple[ParallelConfig, int]:
     """:func:`load_job` without the job."""
-    config, world_size, _ = load_job(path, overrides, world_size)
+    config, world_size, _ = load_job(path, overrides, world_size, doc)
     return config, world_size
 
 
-def load_job(path: str, overrides: Iterable[str] = (), world_size: int | None = None) -> tuple[ParallelConfig, int, Any]:
+def load_job(path: str, overrides: Iterable[str] = (), world_size: int | None = None,
+             doc: dict[str, Any] | None = None) -> tuple[ParallelConfig, int, Any]:
     """The job's ParallelConfig (``parallel:`` section, overrides applied) and its world size.
 
     Every section of a job YAML is checked as ``megashard run`` checks it (unknown sections and keys, types,
     per-section rules), but only the parallel layout is resolved against the world size: a plan for another
     world size need not fit the job's model or batch. A bare parallel config (only ParallelConfig keys) is
     accepted too. ``world_size`` wins; otherwise it is ``launch.nnodes · launch.nproc_per_node`` from the file.
-    Raises ConfigError when neither is available or anything is invalid. The third item is the
+    Raises ConfigError when neither is available or anything is invalid. ``doc``: the file's parsed content when the
+    caller has read it already (it is not read again). The third item is the
     :class:`~megashard.train.config.JobConfig` (None for a bare parallel config).
     """
     overrides = list(overrides)
     job = None
-    doc = yamlfile.apply_overrides(yamlfile.load_yaml(path), overrides)  # the one read of the file
+    doc = yamlfile.apply_overrides(yamlfile.load_yaml(path) if doc is None else doc, overrides)
     if "parallel" in doc or not all(k in _PARALLEL_KEYS for k in doc):
         from megashard.train.config import JobConfig
 
@@ -96,18 +127,33 @@ def add(sub: argparse._SubParsersAction) -> None:
         ),
         epilog=(
             "examples:\n"
+            "  megashard plan --tp 8 --pp 4 --world-size 128\n"
+            "  megashard plan --tp 2 --ep 4 --dp-outer 2 --dp-shard -1 --world-size 64 --rank 9\n"
             f"  megashard plan {DEFAULT_CONFIG}\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 32 --tp 4\n"
+            "  megashard plan configs/modules/vision-llm.yaml\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 parallel.dp_shard=-1 --rank 5\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
+            "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(
-        p, f"job YAML with a 'parallel:' section (e.g. {DEFAULT_CONFIG})",
-        "dotted overrides applied to the YAML before validation, e.g. parallel.tp=4 launch.nnodes=2",
-    )
+    p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                   help=f"job YAML with a 'parallel:' section (e.g. {DEFAULT_CONFIG}), a bare parallel config, or a "
+                   "multi-module YAML ('modules:' list, docs/multi_module.md); optional when the sizes are given "
+                   "as flags (--tp 8 --pp 4 --world-size N)")
+    p.add_argument("overrides", metavar="key=value", nargs="*",
+                   help="dotted overrides applied to the YAML before validation, e.g. parallel.tp=4 launch.nnodes=2")
+    sizes = p.add_argument_group(
+        "parallel sizes as flags", "every ParallelConfig size (and order); without CONFIG they make the whole config "
+        "(other fields at their defaults), with CONFIG they win over its values")
+    for field, kind, help_ in SIZE_FLAGS:
+        flag = "--" + field.replace("_", "-")
+        names = [flag] if flag == "--" + field else [flag, "--" + field]
+        sizes.add_argument(*names, dest=f"size_{field}", type=kind, default=None,
+                           metavar="N" if kind is int else "ORDER", help=help_)
     p.add_argument(
         "--world-size", "-w", type=int, default=None, metavar="N",
         help="number of ranks (default: launch.nnodes × launch.nproc_per_node from CONFIG)",
@@ -158,7 +204,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--groups {args.groups!r} names no group; give names such as tp,dp (valid: {', '.join(GROUP_NAMES)})")
     if args.svg:
         check_output_path("--svg", args.svg)
-    config, world_size, job = load_job(args.config, args.overrides, args.world_size)
+    flags = size_flags(args)
+    job = None
+    if args.config is not None and "=" in args.config and not os.path.exists(args.config):
+        args.overrides, args.config = [args.config, *args.overrides], None  # `plan parallel.tp=2`: no CONFIG
+    if args.config is None:
+        if args.overrides:
+            raise ConfigError(f"overrides {' '.join(args.overrides)} need a CONFIG file; without one give the sizes as "
+                              "flags, e.g. --tp 2 --pp 4")
+        if not flags:
+            raise ConfigError("no config: give a CONFIG file or the sizes as flags, e.g. "
+                              "megashard plan --tp 8 --pp 4 --world-size 64")
+        if args.world_size is None:
+            raise ConfigError(f"no world size: pass --world-size N with the size flags ({flags_text(flags)})")
+        config, world_size = ParallelConfig(**flags), args.world_size
+    else:
+        doc = yamlfile.load_yaml(args.config)  # the one read of the file
+        if isinstance(doc, dict) and "modules" in doc:
+            return _cmd_plan_modules(args, doc, flags, names)
+        config, world_size, job = load_job(args.config, args.overrides, args.world_size, doc=doc)
+        if flags:
+            config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
     sizes = config.resolve(world_size)  # the one resolve of this process
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
@@ -185,10 +251,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
         plan["model_placement"] = placement
     if as_json:
-        plan = {"config": args.config, "overrides": list(args.overrides), **plan}
+        plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")
     else:
-        source = args.config + ("".join(f" {o}" for o in args.overrides))
+        source = " ".join([args.config or "", *args.overrides, flags_text(flags)]).strip()
         table = format_table(plan, args.max_members, source)
         if placement is not None:
             table += "\n".join(format_placement(placement)) + "\n"
@@ -203,4 +269,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"megashard plan: wrote {args.svg}", file=sys.stderr)
     if args.strict and plan["locality"]["warnings"]:
         return 1
+    return 0
+
+
+def _cmd_plan_modules(args: argparse.Namespace, doc: dict[str, Any], flags: dict[str, Any], names: list[str] | None) -> int:
+    """``megashard plan MODULES.yaml``: every module's ranks, sizes and groups, and the pairing across each seam."""
+    from megashard.config import ModulesConfig
+    from megashard.layout.plan import plan_to_json
+    from megashard.layout.plan_modules import build_modules_plan, format_modules_table
+
+    if flags:
+        raise ConfigError(f"{flags_text(flags)}: size flags describe one layout, but {args.config} has several "
+                          "modules; set each module's sizes in its 'parallel:' section")
+    if args.overrides:
+        raise ConfigError(f"overrides {' '.join(args.overrides)} are not supported for a multi-module config; edit "
+                          f"{args.config}")
+    if args.svg:
+        raise ConfigError("--svg draws one layout; plan a module's own config for a picture")
+    multi_config = ModulesConfig.from_dict(doc, args.config)
+    world_size = args.world_size or launch_world_size(doc, args.config) or multi_config.min_world_size
+    multi = multi_config.resolve(world_size)
+    plan = build_modules_plan(multi, names)
+    if args.format == "json":
+        sys.stdout.write(plan_to_json({"config": args.config, **plan}) + "\n")
+    else:
+        sys.stdout.write(format_modules_table(plan, args.max_members, args.config))
     return 0

@@ -5,8 +5,10 @@
 
 Modules: ``parallel`` (:class:`ParallelConfig`: fields, world-independent checks, the ``parallel:`` section of a
 job YAML), ``sizes`` (:class:`ResolvedSizes` and the arithmetic that fills every ``-1`` for a world size),
-``yamlfile`` (reading YAML files and ``key=value`` overrides). Pure Python: nothing here imports torch.
+``yamlfile`` (reading YAML files and ``key=value`` overrides), ``modules`` (:class:`ModulesConfig`: several layouts on
+disjoint rank ranges of one job). Pure Python: nothing here imports torch.
 """
+from megashard.config.modules import ModuleConfig, ModulesConfig
 from megashard.config.parallel import BACKENDS, DEVICES, MAX_TIMEOUT, ParallelConfig, parallel_section
 from megashard.config.sizes import (
     MAX_WORLD_SIZE,
@@ -18,6 +20,6 @@ from megashard.config.sizes import (
 )
 
 __all__ = [
-    "BACKENDS", "DEVICES", "MAX_TIMEOUT", "MAX_WORLD_SIZE", "ORDER_TOKENS", "ParallelConfig", "ResolvedSizes",
+    "BACKENDS", "DEVICES", "MAX_TIMEOUT", "MAX_WORLD_SIZE", "ModuleConfig", "ModulesConfig", "ORDER_TOKENS", "ParallelConfig", "ResolvedSizes",
     "check_world_size", "fmt_divisors", "parallel_section", "resolve_sizes",
 ]

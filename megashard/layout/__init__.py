@@ -6,8 +6,9 @@
 
 Modules: ``groups`` (the group names and the grid axes they span), ``grid`` (mixed-radix rank arithmetic,
 :class:`GroupMembers`), ``rank_layout`` (:class:`RankLayout`), ``node_locality`` (node-boundary counts),
-``plan`` (the report of ``megashard plan``) and ``plan_svg`` (its picture). :class:`~megashard.state.ParallelState` creates
-its process groups from a :class:`RankLayout`.
+``rank_generator`` (Megatron's :class:`RankGenerator` over the same grid), ``modules`` (layouts on disjoint rank
+ranges and the pairing across their seams), ``plan`` (the report of ``megashard plan``) and ``plan_svg`` (its
+picture). :class:`~megashard.state.ParallelState` creates its process groups from a :class:`RankLayout`.
 """
 from megashard.layout.grid import GroupMembers, RankGrid
 from megashard.layout.groups import (
@@ -18,10 +19,13 @@ from megashard.layout.groups import (
     GROUP_NAMES,
     NODE_LOCAL_GROUPS,
 )
+from megashard.layout.modules import Link, ModuleLayout, MultiModuleLayout, pair_modules
 from megashard.layout.node_locality import LocalityReport, locality, locality_warning
+from megashard.layout.rank_generator import RankGenerator
 from megashard.layout.rank_layout import RankLayout
 
 __all__ = [
     "DENSE_GROUPS", "DENSE_MESH_AXES", "EXPERT_GROUPS", "EXPERT_MESH_AXES", "GROUP_NAMES", "NODE_LOCAL_GROUPS",
-    "GroupMembers", "LocalityReport", "RankGrid", "RankLayout", "locality", "locality_warning",
+    "GroupMembers", "Link", "LocalityReport", "ModuleLayout", "MultiModuleLayout", "RankGenerator", "RankGrid",
+    "RankLayout", "locality", "locality_warning", "pair_modules",
 ]

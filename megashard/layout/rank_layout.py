@@ -13,7 +13,7 @@ one over ``(expt_tp, ep, expt_dp, pp)`` ("MoE parallel folding"); the group name
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError, did_you_mean
@@ -26,6 +26,9 @@ from megashard.layout.groups import (
     GROUP_NAMES,
 )
 from megashard.layout.node_locality import LocalityReport, locality
+
+if TYPE_CHECKING:
+    from megashard.layout.rank_generator import RankGenerator
 
 
 class RankLayout:
@@ -157,6 +160,17 @@ class RankLayout:
         c = self._dense.coords(rank)
         c.update(self._expert.coords(rank))
         return c
+
+    def rank_generator(self, expert: bool = False, rank_offset: int = 0) -> "RankGenerator":
+        """Megatron's :class:`~megashard.layout.rank_generator.RankGenerator` for these sizes: the dense one
+        (``tp, cp, dp, pp``; ``ep=1``) or the expert one (``expt_tp, ep, expt_dp, pp``; ``cp=1``), whose
+        ``get_ranks(token)`` equals :meth:`groups` for the same token."""
+        from megashard.layout.rank_generator import RankGenerator
+
+        s, order = self.sizes, "-".join(self.sizes.order)
+        if expert:
+            return RankGenerator(tp=s.expt_tp, ep=s.ep, dp=s.expt_dp, pp=s.pp, cp=1, order=order, rank_offset=rank_offset)
+        return RankGenerator(tp=s.tp, ep=1, dp=s.dp, pp=s.pp, cp=s.cp, order=order, rank_offset=rank_offset)
 
     # ------------------------------------------------------------------ meshes
     def mesh_ranks(self, expert: bool = False) -> list:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,15 +55,21 @@ class ParallelState:
         device_type: device of the meshes (``"cpu"``/``"cuda"``); default from ``config.device``.
         agree_on: more fields every rank must agree on (e.g. the rest of a job config, as dotted keys),
             compared together with ``config`` and the megashard and torch versions.
+        rank_offset: first global rank of this layout when it covers only part of the job (one module of a
+            multi-module job, :mod:`megashard.state.modules`): the layout's ranks are ``rank_offset ..
+            rank_offset + layout.world_size - 1``; only they construct the state (needs ``layout``), and every group
+            holds global ranks (0 for a module that starts at rank 0). None (default): the layout spans the default
+            group.
 
     Creation is collective: first every rank checks, in one small collective on the default group with
     ``config.timeout``, that its config and versions equal rank 0's (:mod:`megashard.state.agreement`; a
     difference raises :class:`~megashard.errors.RankMismatchError` on every rank, naming ranks and fields),
-    then it creates the groups it belongs to.
+    then it creates the groups it belongs to. With ``rank_offset`` the check runs on the layout's own ranks (a
+    group its members create first), so other modules' ranks are neither waited for nor touched.
     """
 
     def __init__(self, config: ParallelConfig, layout: RankLayout | None = None, *, device_type: str | None = None,
-                 agree_on: Mapping[str, Any] | None = None):
+                 agree_on: Mapping[str, Any] | None = None, rank_offset: int | None = None):
         if not dist.is_initialized():
             raise StateError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group (or "
@@ -76,22 +82,31 @@ class ParallelState:
             # the first mesh or collective (init_distributed checks the same when it starts the default group).
             check_devices(config if device_type is None else dataclasses.replace(config, device=device_type))
 
-        # The config was checked when it was built (it is frozen); the sizes are resolved after the ranks agree.
-        check_ranks_agree(fingerprint(config, agree_on), timeout=config.timeout)
-        self.config = config
-        self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
+        self._timeout = timedelta(seconds=config.timeout)
+        agree_group = None
+        if rank_offset is not None:
+            agree_group = self._module_group(layout, rank_offset)
+        #: first global rank of this layout (0 unless it is one module of a multi-module job)
+        self.rank_offset = rank_offset or 0
+        # The config was checked when it was built (it is frozen); the sizes are resolved after the ranks agree.
+        check_ranks_agree(fingerprint(config, agree_on), timeout=config.timeout, group=agree_group)
+        self.config = config
+        #: ranks of this layout (the default group's size unless it is one module of a multi-module job)
+        self.world_size = dist.get_world_size() if layout is None else layout.world_size
         if layout is None:
             layout = RankLayout(config.resolve(self.world_size))
-        elif layout.world_size != self.world_size:
+        elif rank_offset is None and layout.world_size != dist.get_world_size():
             raise ConfigError(f"ParallelState: the layout was resolved for {layout.world_size} ranks, but the default "
-                              f"process group has {self.world_size}")
+                              f"process group has {dist.get_world_size()}; pass rank_offset= for a layout on part of "
+                              "the ranks")
+        #: this rank's index in the layout (its global rank minus ``rank_offset``)
+        self.layout_rank = self.global_rank - self.rank_offset
         self.layout = layout
         self.sizes = layout.sizes
         self.device_type = device_type or current_device(config.device).type
         #: the RNG tracker, memory buffer and virtual-pipeline rank of this layout
         self.locals = LayoutLocals(self.device_type)
-        self._timeout = timedelta(seconds=config.timeout)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._gloo_twins: dict[str, dist.ProcessGroup] = {}
         self._meshes: dict[str, DeviceMesh] = {}
@@ -100,15 +115,37 @@ class ParallelState:
         self._create_groups()
 
     # ------------------------------------------------------------------ construction
+    def _module_group(self, layout: RankLayout | None, rank_offset: int) -> dist.ProcessGroup:
+        """The group of all this layout's ranks (created by them only), for the agreement check."""
+        if layout is None:
+            raise ConfigError("ParallelState(rank_offset=...) needs the layout of its ranks: pass layout=RankLayout(...)")
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+            raise ConfigError(f"ParallelState: rank_offset={rank_offset!r} must be a non-negative integer")
+        end = rank_offset + layout.world_size
+        if end > dist.get_world_size():
+            raise ConfigError(f"ParallelState: ranks {rank_offset}..{end - 1} do not fit the {dist.get_world_size()} "
+                              "ranks of the default group")
+        if not rank_offset <= self.global_rank < end:
+            raise StateError(f"rank {self.global_rank} is not one of this layout's ranks {rank_offset}..{end - 1}: "
+                             "only they create its ParallelState")
+        if layout.world_size == dist.get_world_size():
+            return dist.group.WORLD
+        pg, _ = pooled_group(tuple(range(rank_offset, end)), self._timeout, None, "megashard:module")
+        return pg
+
+    def _global(self, ranks: Iterable[int]) -> tuple[int, ...]:
+        off = self.rank_offset
+        return tuple(r + off for r in ranks) if off else tuple(ranks)
+
     def _create_groups(self) -> None:
         by_ranks: dict[tuple[int, ...] | str, dist.ProcessGroup] = {}
         created = 0
         for name in GROUP_NAMES:
-            if self.layout.size(name) == self.world_size:
+            if self.layout.size(name) == dist.get_world_size():
                 # The default group already spans the world (and listing W ranks would cost O(W)).
                 self._groups[name] = by_ranks["world"] = dist.group.WORLD
                 continue
-            ranks = tuple(self.layout.group_of(name, self.global_rank))
+            ranks = self._global(self.layout.group_of(name, self.layout_rank))
             pg = by_ranks.get(ranks)
             if pg is None:
                 # Only members call: no rank waits on groups it is not part of.
@@ -133,7 +170,7 @@ class ParallelState:
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         created = 0
         for name in GROUP_NAMES:
-            ranks = tuple(self.layout.group_of(name, self.global_rank))
+            ranks = self._global(self.layout.group_of(name, self.layout_rank))
             if ranks not in by_ranks:
                 by_ranks[ranks], new = pooled_group(ranks, self._timeout, "gloo", f"megashard:{name}:gloo")
                 created += new
@@ -144,7 +181,7 @@ class ParallelState:
         mesh = self._views.get(view)
         if mesh is None:
             self._check_alive()
-            mesh = self._views[view] = build_view(self.layout, view, self._groups, self.device_type)
+            mesh = self._views[view] = build_view(self.layout, view, self._groups, self.device_type, self.rank_offset)
         return mesh
 
     # ------------------------------------------------------------------ meshes
@@ -224,12 +261,12 @@ class ParallelState:
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's ``name`` group, in group-rank order."""
         self._check_name(name)
-        return self.layout.group_of(name, self.global_rank)
+        return list(self._global(self.layout.group_of(name, self.layout_rank)))
 
     def rank_in(self, name: str) -> int:
         """This rank's index inside its ``name`` group."""
         self._check_name(name)
-        return self.layout.rank_in(name, self.global_rank)
+        return self.layout.rank_in(name, self.layout_rank)
 
     def size(self, name: str) -> int:
         """Size of the ``name`` groups."""
@@ -238,7 +275,7 @@ class ParallelState:
 
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every axis (dense and expert)."""
-        return self.layout.coords(self.global_rank)
+        return self.layout.coords(self.layout_rank)
 
     # ------------------------------------------------------------------ FSDP view
     def fsdp_index(self, hsdp_outer_dp_shard: bool = False) -> "FSDPDistributedIndex":
@@ -275,6 +312,7 @@ class ParallelState:
     def __repr__(self) -> str:
         s = self.sizes
         return (
-            f"ParallelState(rank={self.global_rank}/{self.world_size}, tp={s.tp}, cp={s.cp}, pp={s.pp}, "
+            f"ParallelState(rank={self.global_rank}/{self.world_size}"
+            f"{f' from rank {self.rank_offset}' if self.rank_offset else ''}, tp={s.tp}, cp={s.cp}, pp={s.pp}, "
             f"dp={s.dp} (outer {s.dp_outer} x shard {s.dp_shard}), ep={s.ep}, expt_tp={s.expt_tp}, expt_dp={s.expt_dp})"
         )

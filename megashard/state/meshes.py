@@ -58,9 +58,11 @@ def view_rank_tensor(layout: RankLayout, view: str) -> torch.Tensor:
     return t.permute(perm).reshape(shape)
 
 
-def build_view(layout: RankLayout, view: str, groups: Mapping[str, dist.ProcessGroup], device_type: str) -> DeviceMesh:
-    """The ``view`` mesh over this rank's ``groups`` (group name -> process group) of ``layout``."""
+def build_view(layout: RankLayout, view: str, groups: Mapping[str, dist.ProcessGroup], device_type: str,
+               rank_offset: int = 0) -> DeviceMesh:
+    """The ``view`` mesh over this rank's ``groups`` (group name -> process group) of ``layout``, whose ranks start
+    at global rank ``rank_offset`` (one module of a multi-module job)."""
     return DeviceMesh.from_group(
         [groups[n] for n in VIEW_AXES[view]], device_type,
-        mesh=view_rank_tensor(layout, view), mesh_dim_names=_VIEW_DIM_NAMES[view],
+        mesh=view_rank_tensor(layout, view) + rank_offset, mesh_dim_names=_VIEW_DIM_NAMES[view],
     )

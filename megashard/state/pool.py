@@ -30,18 +30,22 @@ _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
 
 
-def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str) -> tuple[dist.ProcessGroup, bool]:
+def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str,
+                 pg_options: object = None) -> tuple[dist.ProcessGroup, bool]:
     """The pooled group for ``ranks`` (created by its members only on first use, ``backend`` None = the default
-    group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in."""
+    group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in.
+    ``pg_options`` (backend options, e.g. ``ProcessGroupNCCL.Options``) are part of the key: the same options
+    object shares the communicator, another one gets its own."""
     world = dist.group.WORLD
     if _POOL_WORLD[0] is not world:  # a new default group: the old communicators died with the old one
         _POOL.clear()
         _POOL_WORLD[0] = world
-    key = (ranks, timeout.total_seconds(), backend)
+    key = (ranks, timeout.total_seconds(), backend) + ((pg_options,) if pg_options is not None else ())
     pg = _POOL.get(key)
     if pg is not None:
         return pg, False
-    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc)
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc,
+                        pg_options=pg_options)
     _POOL[key] = pg
     if not _RELEASE_AT_EXIT[0]:
         atexit.register(_release_at_exit)  # before interpreter shutdown, whatever the script does

@@ -29,7 +29,12 @@ from megashard.tensors.uneven.dcp_hooks import (  # noqa: I001  (after the metad
     preprocess_state_dict_for_uneven_dtensor,
     update_uneven_dtensor_chunk_metadata,
 )
-from megashard.tensors.uneven.gather import _assemble_full_tensor_from_uneven_chunks, gather_uneven_dtensor_to_full_tensor
+from megashard.tensors.uneven.gather import (
+    _assemble_full_tensor_from_uneven_chunks,
+    gather_uneven_dtensor_to_full_tensor,
+    redistribute_uneven_dtensor_to_replicated,
+    uneven_dtensor_to_full_tensor,
+)
 from megashard.tensors.uneven.split import _intersection, _offset_slice, split_dtensor
 
 __all__ = [
@@ -42,7 +47,9 @@ __all__ = [
     "get_chunk_layout",
     "get_unflattened_state_dict",
     "preprocess_state_dict_for_uneven_dtensor",
+    "redistribute_uneven_dtensor_to_replicated",
     "split_dtensor",
+    "uneven_dtensor_to_full_tensor",
     "update_uneven_dtensor_chunk_metadata",
     "validate_uneven_dtensor",
     # Megatron-FSDP's private helpers, importable under their names

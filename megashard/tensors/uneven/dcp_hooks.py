@@ -40,7 +40,8 @@ def _raise_if_partial(layout: ChunkLayout) -> None:
 
 
 def attach_chunk_layout(dtensor: DTensor, layout: ChunkLayout) -> None:
-    """Make DCP use ``layout`` for this DTensor (instance overrides of DTensor's checkpoint hooks).
+    """Make DCP use ``layout`` for this DTensor (instance overrides of DTensor's checkpoint hooks, on the DTensor
+    and on its local tensor, where Megatron-FSDP code looks for them: ``dtensor._local_tensor.__create_chunk_list__()``).
 
     The closures hold the layout only (not the tensor), so no reference cycle keeps memory alive.
     An empty local shard contributes no chunk (an empty chunk's offset could collide with a real
@@ -72,6 +73,11 @@ def attach_chunk_layout(dtensor: DTensor, layout: ChunkLayout) -> None:
     remember_layout(dtensor, layout)
     dtensor.__create_chunk_list__ = chunks  # type: ignore[method-assign]
     dtensor.__create_write_items__ = write_items  # type: ignore[method-assign]
+    # Also where Megatron-FSDP puts (and looks for) them: on the local tensor, to which DTensor's own
+    # hooks delegate (``hasattr(dtensor._local_tensor, "__create_chunk_list__")``).
+    local = dtensor_local(dtensor)
+    local.__create_chunk_list__ = chunks  # type: ignore[attr-defined]
+    local.__create_write_items__ = write_items  # type: ignore[attr-defined]
 
 
 def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:

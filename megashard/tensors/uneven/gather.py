@@ -34,7 +34,12 @@ from megashard.tensors.uneven.metadata import (
     single_layout,
 )
 
-__all__ = ["gather_uneven_dtensor_to_full_tensor", "_assemble_full_tensor_from_uneven_chunks"]
+__all__ = [
+    "gather_uneven_dtensor_to_full_tensor",
+    "redistribute_uneven_dtensor_to_replicated",
+    "uneven_dtensor_to_full_tensor",
+    "_assemble_full_tensor_from_uneven_chunks",
+]
 
 
 def _box(t: torch.Tensor, lo: Sequence[int], ln: Sequence[int]) -> torch.Tensor:
@@ -167,6 +172,24 @@ def gather_uneven_dtensor_to_full_tensor(
         local = _reduce_partials(dtensor_local(dtensor), dtensor)
         full = _assemble(local, layout, mesh)
     return _finish(full, mesh, target_device, return_dtensor)
+
+
+def uneven_dtensor_to_full_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The full tensor (plain ``torch.Tensor`` of shape ``dtensor.shape``) of an (uneven) DTensor, on every rank of
+    its mesh: Megatron-FSDP's name. Collective; attaches the chunk metadata when it is missing, as Megatron-FSDP does.
+
+    Raises: TypeError when ``dtensor`` is not a DTensor (as Megatron-FSDP)."""
+    if not isinstance(dtensor, DTensor):
+        raise TypeError(f"Input must be a DTensor, got {type(dtensor).__name__}.")
+    return gather_uneven_dtensor_to_full_tensor(dtensor, return_dtensor=False)
+
+
+def redistribute_uneven_dtensor_to_replicated(dtensor: DTensor) -> DTensor:
+    """The (uneven) DTensor as a DTensor replicated on its mesh (``to_local()`` is the full tensor): Megatron-FSDP's
+    name for :func:`gather_uneven_dtensor_to_full_tensor` (which it deprecates in favour of this one)."""
+    if not isinstance(dtensor, DTensor):
+        raise TypeError(f"Input must be a DTensor, got {type(dtensor).__name__}.")
+    return gather_uneven_dtensor_to_full_tensor(dtensor, return_dtensor=True)
 
 
 _EAGER_CAP = 4 << 20  # bytes per rank sent eagerly with the metadata (small tensors: one round, not two)

@@ -1,8 +1,10 @@
 """Split a DTensor along a dim like ``torch.split``, without communication or redistribution.
 
 Every piece is a view of this rank's shard with the same mesh and placements; its layout follows
-from the shard's :class:`~megashard.tensors.uneven.layout.ChunkLayout` (attached, or the one the
-placements predict), so pieces are in general uneven.
+from the shard's :class:`~megashard.tensors.uneven.layout.ChunkLayout`, so pieces are in general uneven.
+The layout is the attached one; without one it is computed in the call (collective: every rank of the mesh
+calls ``split_dtensor``) whenever a mesh axis shards the tensor, because no rank can tell from its own shard
+whether the others sit where the placements predict.
 """
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ from typing import Iterator, List, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from megashard._compat import dtensor_local
+from megashard._compat import _StridedShard, dtensor_local
 from megashard.chunks import chunk_sizes, contiguous_strides
 from megashard.errors import UnevenDTensorError
 from megashard.tensors.shape import get_local_shape_and_global_offset
 from megashard.tensors.uneven.dcp_hooks import attach_chunk_layout
 from megashard.tensors.uneven.layout import ChunkLayout, Level, dim_orders, get_chunk_layout, make_layout
+from megashard.tensors.uneven.metadata import single_layout
 
 __all__ = ["split_dtensor", "_intersection", "_offset_slice"]
 
@@ -32,6 +35,12 @@ def _intersection(s1: slice, s2: slice) -> slice:
 def _offset_slice(s: slice, offset: int) -> slice:
     """``s`` moved by ``offset`` (e.g. ``-chunk_start`` turns global indices into local ones)."""
     return slice(s.start + offset, s.stop + offset)
+
+
+def _is_sharded(dtensor: DTensor) -> bool:
+    """Whether a mesh axis of size > 1 shards the tensor (then ranks hold different pieces)."""
+    mesh = dtensor.device_mesh
+    return any(isinstance(p, (Shard, _StridedShard)) and mesh.size(a) > 1 for a, p in enumerate(dtensor.placements))
 
 
 def _arithmetic_layout(dtensor: DTensor) -> ChunkLayout:
@@ -59,7 +68,7 @@ def _arithmetic_layout(dtensor: DTensor) -> ChunkLayout:
             f"this DTensor's local shard {local_shape} is not the one its placements {list(dtensor.placements)} "
             f"describe for global shape {gshape} (expected {tuple(lshape)} at {layout.offsets}; PyTorch says "
             f"{tuple(torch_shape)} at {tuple(torch_offset)}), so its layout is unknown without communication: "
-            "call update_uneven_dtensor_chunk_metadata(dtensor) on every rank first"
+            "call update_uneven_dtensor_chunk_metadata(dtensor) on every rank"
         )
     return layout
 
@@ -97,8 +106,11 @@ def split_dtensor(
     shard, so nothing is redistributed or copied (Replicate stays replicated: no OOM). Pieces are in
     general uneven (some ranks may hold nothing of a piece).
 
-    The shard's layout comes from an attached one (:func:`update_uneven_dtensor_chunk_metadata`)
-    or, if none, from the placements; a shard that matches neither raises UnevenDTensorError.
+    The shard's layout comes from an attached one (:func:`update_uneven_dtensor_chunk_metadata`, a
+    preprocess, a gather or an earlier split). Without one, and when a mesh axis shards the tensor, the call
+    computes it from every rank's local sizes (collective over the mesh, in the call itself, not at the first
+    piece: every rank of the mesh must call ``split_dtensor``) and attaches it to ``dtensor``, so later splits
+    and gathers of it communicate nothing; shards need not sit where the placements predict.
 
     Args:
         split_size_or_sections: piece length (the last piece may be shorter) or list of lengths
@@ -125,7 +137,17 @@ def split_dtensor(
             raise UnevenDTensorError(
                 f"split sections {sections} must be >= 0 and sum to dim {dim}'s size {g} (they sum to {sum(sections)})"
             )
-    layout = get_chunk_layout(dtensor) or _arithmetic_layout(dtensor)
+    layout = get_chunk_layout(dtensor)
+    if layout is None:
+        if _is_sharded(dtensor):  # every rank gets here together: the decision depends on placements only
+            layout = single_layout(dtensor)
+            attach_chunk_layout(dtensor, layout)
+        else:
+            layout = _arithmetic_layout(dtensor)
+    return _pieces(dtensor, layout, dim, sections, update_uneven_dtensor_chunk_meta)
+
+
+def _pieces(dtensor: DTensor, layout: ChunkLayout, dim: int, sections: List[int], attach: bool) -> Iterator[DTensor]:
     local = dtensor.to_local()
     mesh, placements = dtensor.device_mesh, dtensor.placements
     a = 0
@@ -135,7 +157,7 @@ def split_dtensor(
             local.narrow(dim, lstart if llen else 0, llen), mesh, placements, run_check=False,
             shape=torch.Size(piece_layout.global_shape), stride=contiguous_strides(piece_layout.global_shape),
         )
-        if update_uneven_dtensor_chunk_meta:
+        if attach:
             attach_chunk_layout(piece, piece_layout)
         a += size
         yield piece
