@@ -85,6 +85,27 @@ def check_etp2(rank, world_size):
     _run("etp2", MOE + ["parallel.expt_tp=2"])
 
 
+def check_hsdp_ep2(rank, world_size):
+    """HSDP (dp_outer=2 × dp_shard=2) with ep=2: experts shard inside a replica and replicate across replicas."""
+    import torch.distributed as dist
+
+    from megashard.train.parallelize import expert_shard_axis, local_tensor
+
+    shapes = {}
+
+    def on_end(model, state):
+        w1 = dict(model.named_parameters())["blocks.1.mlp.experts.w1"]
+        shapes["w1"] = tuple(local_tensor(w1).shape)
+        shapes["axis"], shapes["shard"] = expert_shard_axis(state), state.size(expert_shard_axis(state))
+
+    _run("hsdp-ep2", MOE + ["parallel.dp_outer=2", "parallel.dp_shard=2", "parallel.ep=2"], on_end=on_end)
+    # 4 experts over ep=2: 2 per rank, chunked over the shard axis only (2 ranks without the replica axis, 1 with).
+    assert shapes["w1"][0] == 2 // shapes["shard"], shapes
+    if shapes["axis"] == "expt_dp_shard":
+        assert shapes["shard"] == 1, shapes  # expt_dp_outer = dp_outer = 2 replicas of expt_dp = 2
+    dist.barrier()
+
+
 def check_resume_ep2(rank, world_size):
     _resume("moe-resume-ep2", ["parallel.ep=2"])
 
@@ -99,7 +120,7 @@ def check_resume_etp2(rank, world_size):
 
 ONE = [check_single_moe, check_single_moe_no_aux, check_single_llama_moe]
 FOUR = [check_fold_tp2_ep2, check_ep4, check_cp2_ep2, check_pp2_tp2_ep2, check_fold_tp2_ep2_etp2, check_etp2,
-        check_llama_fold_tp2_ep2_etp2, check_resume_ep2, check_resume_ep1, check_resume_etp2]
+        check_llama_fold_tp2_ep2_etp2, check_hsdp_ep2, check_resume_ep2, check_resume_ep1, check_resume_etp2]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +140,8 @@ def runs():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("run", ["fold-tp2-ep2", "ep4", "cp2-ep2", "pp2-tp2-ep2", "fold-tp2-ep2-etp2", "etp2"])
+@pytest.mark.parametrize("run", ["fold-tp2-ep2", "ep4", "cp2-ep2", "pp2-tp2-ep2", "fold-tp2-ep2-etp2", "etp2",
+                                 "hsdp-ep2"])
 def test_moe_loss_parity_with_one_process(runs, run):
     tmp, one, four = runs
     one.assert_ok("check_single_moe")

@@ -53,18 +53,20 @@ def _job(tag: str, overrides: list[str]):
                                + overrides)
 
 
-def _run(tag: str, overrides: list[str], *, save_params: bool = False) -> None:
+def _run(tag: str, overrides: list[str], *, save_params: bool = False, on_end=None) -> None:
     import torch.distributed as dist
 
     from megashard.train.loop import full_parameters, train
 
     params: dict = {}
 
-    def on_end(model, state):
+    def end(model, state):
         if save_params:
             params.update(full_parameters(model, state))
+        if on_end is not None:
+            on_end(model, state)
 
-    result = train(_job(tag, overrides), on_end=on_end)
+    result = train(_job(tag, overrides), on_end=end)
     if dist.get_rank() == 0:
         with open(os.path.join(_dir(), f"{tag}.json"), "w") as f:
             json.dump({"start": result.start_step, "losses": result.losses, "norms": result.grad_norms}, f)

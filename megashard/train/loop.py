@@ -108,8 +108,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
     _all_reduce(sq["expert_tp"], state, "expt_tp")
     expert = sq["expert"] + sq["expert_tp"]
     if any(getattr(p, "_expert_parallel", False) for p in params):
+        from megashard.train.parallelize import expert_shard_axis
+
         _all_reduce(expert, state, "ep")
-        _all_reduce(expert, state, "expt_dp")
+        _all_reduce(expert, state, expert_shard_axis(state))  # expert HSDP replicas are not summed
     total = dense + expert
     _all_reduce(total, state, "pp")
     norm = total.sqrt()

@@ -180,7 +180,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``)."""
+    """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``).
+
+    ``stage`` (a :class:`~megashard.train.stages.StageSpec`) builds one pipeline stage instead: the embeddings only
+    on the first, the final norm and LM head only on the last (plus a copy of a tied embedding table), and the
+    blocks ``stage.layers`` under their global names (``blocks.<i>``).
+    """
 
     def __init__(self, cfg: ModelConfig, groups: Optional[ModelGroups] = None, *, ffn_hidden: Optional[int] = None,
                  moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None,

@@ -28,7 +28,7 @@ from megashard.tensors.placements import resolve_placements
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
-__all__ = ["parallelize", "finish_expert_grads", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
+__all__ = ["parallelize", "finish_expert_grads", "expert_shard_axis", "expert_fully_shard_mesh", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
 
 #: Python attributes of a parameter that survive ``fully_shard`` (copied onto FSDP's new parameter).
 PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode",
@@ -57,9 +57,9 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     blocks = getattr(model, "blocks", [])
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
         if isinstance(getattr(block, "mlp", None), MoE):
-            experts = fully_shard(block.mlp.experts, mesh=state.mesh("expt_dp"), mp_policy=mp,
+            experts = fully_shard(block.mlp.experts, mesh=expert_fully_shard_mesh(state), mp_policy=mp,
                                   reshard_after_forward=reshard_after_forward)
-            if state.size("expt_dp") > 1:
+            if state.size(expert_shard_axis(state)) > 1:
                 # With expt_dp = 1 torch 2.13's FSDP divides by a custom factor twice (in its world-size-1 copy and
                 # after it): then no factor here, and finish_expert_grads divides once after backward.
                 experts.set_gradient_divide_factor(float(state.size("dp") * state.size("cp")))
@@ -74,11 +74,31 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     return model
 
 
+def expert_shard_axis(state: ParallelState) -> str:
+    """The axis expert parameters are FSDP-sharded over: ``expt_dp_shard`` (inside an HSDP replica) on a state with
+    the expert replica axis, else ``expt_dp``."""
+    try:
+        state.size("expt_dp_shard")
+        return "expt_dp_shard"
+    except Exception:  # noqa: BLE001 - a state without the expert replica axis
+        return "expt_dp"
+
+
+def expert_fully_shard_mesh(state: ParallelState) -> Any:
+    """The mesh of ``fully_shard`` for experts: ``state.expert_fully_shard_mesh`` (FSDP inside a replica, HSDP across
+    replicas when dp_outer > 1) on a state with the expert replica axis, else the 1-D ``expt_dp`` mesh."""
+    mesh = getattr(state, "expert_fully_shard_mesh", None)
+    return mesh if mesh is not None else state.mesh("expt_dp")
+
+
 def finish_expert_grads(model: nn.Module, state: ParallelState) -> None:
-    """Divide expert gradients by ``dp · cp`` when FSDP had no ``expt_dp`` peers to reduce with (``expt_dp = 1``:
-    :func:`parallelize` then sets no divide factor). Call after backward, before clipping."""
-    factor = state.size("dp") * state.size("cp")
-    if state.size("expt_dp") > 1 or factor == 1:
+    """Divide expert gradients by ``dp · cp / expt_dp`` when FSDP had no shard peers to reduce-scatter with (shard
+    axis of size 1: :func:`parallelize` then sets no divide factor, and FSDP divides by the replicas it all-reduces
+    over, if any). Call after backward, before clipping."""
+    if state.size(expert_shard_axis(state)) > 1:
+        return
+    factor = state.size("dp") * state.size("cp") / state.size("expt_dp")
+    if factor == 1:
         return
     for p in model.parameters():
         if getattr(p, "_expert_parallel", False) and p.grad is not None:
@@ -105,18 +125,23 @@ def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Plac
     """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
 
     Dense parameters live on ``state.fsdp_mesh`` (pp, dp_outer, dp_shard_cp, tp); experts on
-    ``state.expert_mesh`` (pp, expt_dp, ep, expt_tp): experts split dim 0 over ep, then FSDP chunks this
-    rank's experts over expt_dp. With a pipeline (pp > 1) each stage holds other parameters, so they live on
+    ``state.expert_hsdp_mesh`` (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp) — or ``state.expert_mesh``
+    (pp, expt_dp, ep, expt_tp) on a state without the expert replica axis: experts split dim 0 over ep, then FSDP
+    chunks this rank's experts over the shard axis (replicas hold the same chunks), their ffn dim over expt_tp. With a pipeline (pp > 1) each stage holds other parameters, so they live on
     the mesh without its ``pp`` axis (the ranks of this stage).
     """
     shape = tuple(getattr(p, "_global_shape", tuple(p.shape)))
     if getattr(p, "_expert_parallel", False):
-        mesh = state.expert_mesh
         ep = state.size("ep")
         fsdp = _StridedShard(0, split_factor=ep) if ep > 1 else Shard(0)
         etp_dim = getattr(p, "_expert_tp_dim", None)
         etp = Shard(etp_dim) if etp_dim is not None and state.size("expt_tp") > 1 else Replicate()
-        placements: tuple[Placement, ...] = (Replicate(), fsdp, Shard(0) if ep > 1 else Replicate(), etp)
+        rest: tuple[Placement, ...] = (fsdp, Shard(0) if ep > 1 else Replicate(), etp)
+        hsdp = getattr(state, "expert_hsdp_mesh", None)
+        if hsdp is not None:  # (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): replicas hold the same shards
+            mesh, placements = hsdp, (Replicate(), Replicate()) + rest
+        else:  # (pp, expt_dp, ep, expt_tp)
+            mesh, placements = state.expert_mesh, (Replicate(),) + rest
     else:
         proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
         for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):

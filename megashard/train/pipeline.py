@@ -60,16 +60,15 @@ def embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
     same ranks). ``None`` on ranks outside it (middle stages).
     """
     pp = state.size("pp")
+    if hasattr(state, "in_group"):  # megashard's embedding groups (created by the embedding stages only)
+        return state.group("embd") if state.in_group("embd") else None
     ranks = state.ranks("pp")
     if dist.get_rank() not in (ranks[0], ranks[-1]):
         return None
-    try:
-        return state.group("embd")
-    except Exception:  # noqa: BLE001 - a state without embedding groups
-        if pp == 2:
-            return state.group("pp")
-        raise PipelineError(f"tied embeddings with pp={pp} need megashard's embedding group 'embd'; this "
-                            "megashard has none: use pp=2 or model.tie_embeddings=false") from None
+    if pp == 2:  # a state without embedding groups: with two stages the pp group is exactly the first and last
+        return state.group("pp")
+    raise PipelineError(f"tied embeddings with pp={pp} need megashard's embedding group 'embd'; this megashard "
+                        "has none: use pp=2 or model.tie_embeddings=false")
 
 
 class Pipeline:
