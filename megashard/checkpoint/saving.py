@@ -56,6 +56,7 @@ def save(
     parallel_state=None,
     sync_files: bool = True,
     thread_count: int = 1,
+    job: Optional[dict] = None,
 ) -> str:
     """Save a checkpoint of ``step`` under ``root`` (collective over the default process group).
 
@@ -77,6 +78,8 @@ def save(
         parallel_state: the ParallelState whose layout is recorded (default: the current one, if any).
         sync_files: fsync every file (needed for crash safety; False only for benchmarks / tests).
         thread_count: writer threads per rank.
+        job: the job's config (a YAML-ready dict, e.g. ``JobConfig.to_dict()``), recorded in ``megashard.json``
+            so offline tools (``megashard ckpt export-hf``) know the model.
 
     Returns: the path of the complete checkpoint.
     """
@@ -119,7 +122,7 @@ def save(
     removed = agree(records, err, rank0=lambda gathered: _publish(
         gathered, root=root, final=final, tmp=tmp, step=step, checksum=checksum, overwrite=overwrite,
         keep_last=keep_last, consumed_samples=consumed_samples, layout=rank_state.layout_record(st, world),
-        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}))
+        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}, job=job))
     if rank == 0:
         logger.info("saved checkpoint %s (%d ranks, %.2f s)%s", final, world, time.perf_counter() - t0,
                     f"; retention removed {removed}" if removed else "")
@@ -151,7 +154,8 @@ def _write_rank_files(writer: ChecksummingFileSystemWriter, metadata, tmp: str, 
 
 
 def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, checksum: str, overwrite: bool,
-             keep_last: Optional[int], consumed_samples: Optional[int], layout: dict, sections: dict) -> list:
+             keep_last: Optional[int], consumed_samples: Optional[int], layout: dict, sections: dict,
+             job: Optional[dict] = None) -> list:
     """Rank 0: layout file, marker (last), rename to the final name, retention. Returns the removed paths."""
     all_files: dict = {}
     all_items: dict = {}
@@ -162,7 +166,7 @@ def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, chec
         "format": safety.FORMAT, "version": safety.FORMAT_VERSION, "step": step,
         "consumed_samples": consumed_samples, "layout": layout, "sections": sections,
         "has_data_state": any(has for _, _, has in gathered), "torch": torch.__version__,
-        "megashard": _megashard_version(), "created": time.time(),
+        "megashard": _megashard_version(), "created": time.time(), **({"job": job} if job is not None else {}),
     })
     all_files[safety.LAYOUT_FILE] = checksums.file_record(os.path.join(tmp, safety.LAYOUT_FILE), checksum)
     safety.write_marker(tmp, step, all_files, checksum, all_items)

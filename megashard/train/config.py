@@ -273,6 +273,10 @@ class JobConfig:
                   f"(got {m.num_experts}) or model.arch=gpt for experts")
             _need((m.hidden // m.heads) % 2 == 0,
                   f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
+        if m.init_from is not None:
+            from megashard.train.hf_io import check_init_from
+
+            check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
         _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
         _need(t.eval_interval >= 0 and t.eval_batches >= 1,

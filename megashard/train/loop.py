@@ -127,6 +127,10 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
     init_parameters(model, job.parallel.seed, groups)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
     parallelize(model, state, mp_policy=mp)
+    if job.model.init_from is not None:  # Hugging Face weights instead of the seeded init (each rank its slices)
+        from megashard.train.hf_io import load_init_from
+
+        load_init_from(model, job, state)
     decay, no_decay = [], []
     for p in model.parameters():
         (decay if len(getattr(p, "_global_shape", p.shape)) >= 2 else no_decay).append(p)
@@ -262,7 +266,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             last = done == t.steps
             if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
                 save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
-                                keep=job.checkpoint.keep)
+                                keep=job.checkpoint.keep, job=job.to_dict())
         bar.close()
         result.seconds = time.perf_counter() - t_start
         steps_run = result.final_step - start

@@ -61,6 +61,11 @@ class ModelConfig:
     """Activation recompute of every block through ``megashard.state.recompute.checkpoint`` (trades compute for memory)."""
     distribute_saved_activations: bool = False
     """With recompute: keep only 1/tp of each block's saved input between forward and backward."""
+    init_from: Optional[str] = None
+    """Start from a Hugging Face model directory (``config.json`` + ``*.safetensors``, e.g. ``save_pretrained`` or
+    ``megashard ckpt export-hf``) instead of the seeded init: its config must describe this model section (checked
+    before any process starts); each rank reads only its own slices. A resumed run loads its checkpoint instead.
+    Needs ``pip install 'megashard[hf]'`` (docs/hf.md)."""
 
 
 @dataclass
