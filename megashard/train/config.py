@@ -10,11 +10,13 @@ size — or for sizes already resolved (a worker's ParallelState resolved them).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from megashard.config import ParallelConfig, ResolvedSizes, check_world_size, fmt_divisors
+from megashard.config.yamlfile import yaml_key
 from megashard.errors import ConfigError, unknown_names
 from megashard.train.sections import (  # noqa: F401  (the section classes are importable from here too)
     ARCHS,
@@ -93,7 +95,8 @@ class JobConfig:
         """The YAML-ready dict of every section (what a run writes to ``<out_dir>/config.yaml``)."""
         out = {"parallel": self.parallel.to_dict()}
         for sec, _ in CONFIG_SECTIONS:
-            out[sec] = dataclasses.asdict(getattr(self, sec))
+            obj = getattr(self, sec)
+            out[sec] = {yaml_key(f): copy.deepcopy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return out
 
     # ------------------------------------------------------------------ derived values

@@ -192,7 +192,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         state = ms.get_parallel_state()
     rank = dist.get_rank()
     t = job.train
-    lock = None
+    lock = saver = None
     try:
         if own_state:
             sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
@@ -225,6 +225,10 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         tokens_per_step = t.global_batch * job.model.seq_len
         result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
         dp_cp = sizes.dp * sizes.cp
+        if job.checkpoint.async_save:  # checkpoint.async: written in the background, one save in flight
+            from megashard.checkpoint.async_save import AsyncSaver
+
+            saver = AsyncSaver()
         model.train()
         t_start = time.perf_counter()
         for step in range(start, t.steps):
@@ -266,8 +270,11 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             last = done == t.steps
             if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
                 save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
-                                keep=job.checkpoint.keep, job=job.to_dict())
+                                keep=job.checkpoint.keep, job=job.to_dict(), saver=saver)
         bar.close()
+        if saver is not None:  # the end of training waits for the last background save (and reports its error)
+            saver, pending = None, saver
+            pending.close()
         result.seconds = time.perf_counter() - t_start
         steps_run = result.final_step - start
         result.tokens_per_s = tokens_per_step * steps_run / result.seconds if steps_run and result.seconds > 0 else 0.0
@@ -281,6 +288,11 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         _final_barrier(job.parallel.timeout)
         return result
     finally:
+        if saver is not None:  # an error interrupted training: let the save in flight finish (or fail) first
+            try:
+                saver.close()
+            except Exception as e:  # noqa: BLE001 - the error that interrupted training is the one to report
+                print(f"megashard run: rank {rank}: {e}", file=sys.stderr, flush=True)
         if lock is not None:
             lock.release()
         if own_state:
