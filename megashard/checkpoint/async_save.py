@@ -8,7 +8,8 @@
 
 What the caller waits for (the *blocked* time, :attr:`AsyncSaver.last_blocked_s`): the previous save, if it still
 runs; step 0 of the save (every rank's state dict, checked and agreed on; the temporary directory made); staging
-(a copy of every tensor in host memory, DCP's ``DefaultStager``, plus the uneven-shard layouts). Then
+(a copy of every tensor into host buffers reused from save to save — DCP's ``DefaultStager`` for accelerator
+tensors — plus the uneven-shard layouts). Then
 ``torch.distributed.checkpoint.async_save`` writes the copy from a background thread, hashing every file and
 storage item as it writes (:class:`~megashard.checkpoint.storage.ChecksummingFileSystemWriter`), and a second
 background thread finishes as the synchronous save does: rank-state files, the layout file, the completion marker
@@ -22,15 +23,18 @@ background write runs leaves only a ``.tmp-`` directory: the previous checkpoint
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import async_save as dcp_async_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from megashard.checkpoint import rank_state
 from megashard.checkpoint.collective import dist_on, rank_world, unwrap_dcp_error
@@ -44,25 +48,68 @@ __all__ = ["AsyncSaver"]
 
 
 class _HostStager(AsyncStager):
-    """A copy of the state dict in host memory (DCP's DefaultStager, synchronous), with the uneven-shard layouts
-    attached to the copy's DTensors (collective over their meshes: it runs in the caller's thread)."""
+    """A copy of the state dict in host memory, with the uneven-shard layouts attached to the copy's DTensors
+    (collective over their meshes: it runs in the caller's thread).
+
+    CPU tensors are copied into host buffers kept from the previous save (same keys, shapes and dtypes: no
+    allocation, no page faults — the caller waits for the previous save before staging again); a state dict with
+    tensors on an accelerator goes through DCP's ``DefaultStager``.
+    """
 
     _synchronize_after_execute = False
 
     def __init__(self) -> None:
-        self._inner = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._layouts: dict = {}  # the uneven-shard layouts of the previous save (reused when nothing changed)
+        self._default: Optional[DefaultStager] = None
 
     def stage(self, state_dict: dict) -> dict:
-        staged = self._inner.stage(state_dict)
-        attach_uneven_layouts(staged)
+        if all(t.device.type == "cpu" for t in _tensors(state_dict)):
+            staged = self._copy(state_dict, "")
+        else:
+            if self._default is None:
+                self._default = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                             use_async_staging=False, use_non_blocking_copy=False))
+            staged = self._default.stage(state_dict)
+        attach_uneven_layouts(staged, cache=self._layouts)
         return staged
+
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
+        return buf.copy_(t)
+
+    def _copy(self, x: Any, key: str) -> Any:
+        if isinstance(x, DTensor):
+            return DTensor.from_local(self._buffer(key, x.to_local()), x.device_mesh, x.placements, run_check=False,
+                                      shape=x.shape, stride=x.stride())
+        if isinstance(x, torch.Tensor):
+            return self._buffer(key, x.detach())
+        if isinstance(x, dict):
+            return {k: self._copy(v, f"{key}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._copy(v, f"{key}/{i}") for i, v in enumerate(x))
+        return copy.deepcopy(x)
 
     def synchronize_staging(self) -> None:  # staging is synchronous
         pass
 
     def close(self) -> None:
-        self._inner.close()
+        self._buffers.clear()
+        if self._default is not None:
+            self._default.close()
+
+
+def _tensors(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
 
 
 class _Pending:
@@ -86,6 +133,8 @@ class AsyncSaver:
         self._stager = _HostStager()
         self.last_blocked_s = 0.0
         """Seconds the last :meth:`save` kept its caller waiting (waiting for the previous save included)."""
+        self.last_phases: dict[str, float] = {}
+        """Where :attr:`last_blocked_s` went: ``wait_previous``, ``agree_and_directory`` (step 0), ``stage_and_start``."""
 
     def _background_group(self) -> Optional[dist.ProcessGroup]:
         """A gloo group of every rank for the background collectives (made at the first save, on every rank)."""
@@ -103,15 +152,19 @@ class AsyncSaver:
         """
         t0 = time.perf_counter()
         self.wait()
+        phases = {"wait_previous": time.perf_counter() - t0}
         rank, world = rank_world()
         st = rank_state.current_state(parallel_state)
         root, final, tmp = targets(root, step)
         check_arguments(keep_last, checksum)
+        t = time.perf_counter()
         sd = begin(root, step, final, tmp, overwrite, None, None, None, sections, None)
+        phases["agree_and_directory"] = time.perf_counter() - t
         group = self._background_group()
         if not dist_on():  # DCP's writer thread warns that one process is assumed: intended (warnings are global)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         writer = self.writer_class(tmp, checksum, sync_files=sync_files, thread_count=thread_count)
+        t = time.perf_counter()
         try:
             with warnings.catch_warnings():  # DCP: "torch.distributed is disabled" (one process) and "experimental"
                 warnings.simplefilter("ignore")
@@ -119,6 +172,7 @@ class AsyncSaver:
                                         async_stager=self._stager, no_dist=not dist_on())
         except CheckpointException as e:
             raise unwrap_dcp_error(e) from None
+        phases["stage_and_start"] = time.perf_counter() - t
         pending = _Pending(step, final, root)
         layout = rank_state.layout_record(st, world)
 
@@ -138,6 +192,7 @@ class AsyncSaver:
         pending.thread.start()
         self._pending = pending
         self.last_blocked_s = time.perf_counter() - t0
+        self.last_phases = phases
         return final
 
     @property

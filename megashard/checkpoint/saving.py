@@ -130,14 +130,17 @@ def begin(root: str, step: int, final: str, tmp: str, overwrite: bool, model, op
     # Every rank collects its state and checks its arguments; all agree (same root and step, nothing
     # wrong anywhere) before rank 0 prepares the temporary directory.
     sd, err = capture(_collect_checked, model, optimizer, state_dict, sections, data_state)
-    seen = agree((root, step), err)
-    bad = [r for r, target in enumerate(seen) if target != seen[0]]
-    if bad:
-        raise CheckpointError(
-            f"ranks disagree on the checkpoint: rank 0 saves step {seen[0][1]} to {seen[0][0]}, but ranks {bad[:8]} "
-            f"pass {[seen[r] for r in bad[:3]]}; every rank must call save() with the same root and step"
-        )
-    agree(rank0=lambda _: _prepare_directory(root, final, tmp, overwrite))
+
+    def prepare(seen: list) -> None:  # rank 0, once every rank's target is known: one gather, one broadcast
+        bad = [r for r, target in enumerate(seen) if target != seen[0]]
+        if bad:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint: rank 0 saves step {seen[0][1]} to {seen[0][0]}, but ranks "
+                f"{bad[:8]} pass {[seen[r] for r in bad[:3]]}; every rank must call save() with the same root and step"
+            )
+        _prepare_directory(root, final, tmp, overwrite)
+
+    agree((root, step), err, rank0=prepare)
     return sd
 
 

@@ -21,7 +21,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             "  megashard ckpt inspect out/checkpoints                 # newest complete checkpoint\n"
             "  megashard ckpt inspect out/checkpoints/step_00000100 --format json --no-verify\n"
             "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
-            "  megashard ckpt export-hf out/checkpoints hf-model      # transformers' from_pretrained(hf-model)\n"
+            "  megashard ckpt export-hf runs/default/checkpoints hf-model   # transformers: from_pretrained('hf-model')\n"
             "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
         ),
     )

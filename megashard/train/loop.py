@@ -52,6 +52,11 @@ class TrainResult:
     """Average global throughput of this run's steps."""
     out_dir: str = ""
     """The run's output directory."""
+    checkpoint_blocked_s: dict[int, float] = field(default_factory=dict)
+    """step → seconds the loop waited for that step's checkpoint (``checkpoint.async``: staging only, plus waiting for
+    the previous background save if it still ran)."""
+    checkpoint_end_wait_s: float = 0.0
+    """``checkpoint.async``: seconds the end of training waited for the last background save."""
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -269,12 +274,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
                 os._exit(1)
             last = done == t.steps
             if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
+                t_save = time.perf_counter()
                 save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
                                 keep=job.checkpoint.keep, job=job.to_dict(), saver=saver)
+                result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
         bar.close()
         if saver is not None:  # the end of training waits for the last background save (and reports its error)
             saver, pending = None, saver
+            t_save = time.perf_counter()
             pending.close()
+            result.checkpoint_end_wait_s = time.perf_counter() - t_save
         result.seconds = time.perf_counter() - t_start
         steps_run = result.final_step - start
         result.tokens_per_s = tokens_per_step * steps_run / result.seconds if steps_run and result.seconds > 0 else 0.0
