@@ -85,9 +85,10 @@ def check_init_llama(rank, world_size):
 
 def _hf_model(arch: str, seed: int):
     """A random Hugging Face model of the test's size (every weight, norms included, random)."""
+    from megashard.train.config import JobConfig
     from megashard.train.hf import hf_config
 
-    job = _job("x", arch)
+    job = JobConfig.from_yaml(DEFAULT, BASE + ARCH[arch])
     conf = hf_config(job.model, job.ffn_hidden)
     conf.pop("architectures")
     model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel)(
@@ -242,6 +243,20 @@ def test_init_from_errors_before_processes_start(tmp_path):
     check([f"model.init_from={good}", "model.seq_len=32"], r"n_positions=16 .* model.seq_len=32")
     check([f"model.init_from={_hf_dir(tmp_path, 'gpt', '2', activation_function='gelu_new')}"],
           r"activation_function=gelu_new .*exact \(erf\) GELU")
+    from safetensors.torch import load_file, save_file
+
+    bad = _hf_dir(tmp_path, "gpt", "3")  # a tensor of another shape than config.json says
+    tensors = load_file(os.path.join(bad, "model.safetensors"))
+    tensors["transformer.h.1.mlp.c_fc.bias"] = torch.zeros(5)
+    save_file(tensors, os.path.join(bad, "model.safetensors"))
+    check([f"model.init_from={bad}"], r"tensor 'transformer.h.1.mlp.c_fc.bias' in .*model.safetensors has shape \[5\], "
+          r"the model section needs \[128\]")
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    save_file(tensors, os.path.join(bad, "model.safetensors"))
+    check([f"model.init_from={bad}"], r"has no tensor 'transformer.h.1.mlp.c_fc.bias' \(model.arch=gpt")
+    with open(os.path.join(bad, "model.safetensors"), "r+b") as f:  # truncated
+        f.truncate(100)
+    check([f"model.init_from={bad}"], r"cannot read .*model.safetensors \(SafetensorError: .*header")
     os.remove(os.path.join(good, "model.safetensors"))
     check([f"model.init_from={good}", "model.layers=2"], "holds neither model.safetensors nor")
     # megashard run: the same one line, exit 2, before any process starts (no output directory made).

@@ -140,8 +140,11 @@ def _weight_map(root: str) -> dict[str, str]:
                           "directory saved with safetensors (save_pretrained(..., safe_serialization=True))")
     from safetensors import safe_open
 
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ConfigError(f"model.init_from: cannot read {single} ({type(e).__name__}: {e})") from None
 
 
 def _resolve_names(wm: dict[str, str], wanted: list[str]) -> dict[str, str]:
@@ -177,20 +180,25 @@ def check_init_from(job: "JobConfig") -> None:
     wm = _weight_map(root)
     shapes = hf_shapes(mapping(m, job.ffn_hidden))
     names = _resolve_names(wm, list(shapes))
-    for name, want in shapes.items():
-        stored = names[name]
-        if stored not in wm:
-            raise ConfigError(f"model.init_from: {root} has no tensor {name!r} (model.arch={m.arch}, "
-                              f"model.tie_embeddings={str(m.tie_embeddings).lower()})")
+    missing = [n for n in shapes if names[n] not in wm]
+    if missing:
+        raise ConfigError(f"model.init_from: {root} has no tensor {missing[0]!r} (model.arch={m.arch}, "
+                          f"model.tie_embeddings={str(m.tie_embeddings).lower()})")
+    by_file: dict[str, list[str]] = {}
+    for name in shapes:
+        by_file.setdefault(wm[names[name]], []).append(name)
+    for path, group in by_file.items():  # headers only: one open per file
         try:
-            with safe_open(wm[stored], framework="pt") as f:
-                got = tuple(f.get_slice(stored).get_shape())
-        except (OSError, Exception) as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ConfigError(f"model.init_from: cannot read tensor {stored!r} from {wm[stored]} ({e})") from None
-        positions = name.endswith("wpe.weight") and got[1:] == want[1:] and got[0] >= want[0]
-        if got != want and not positions:
-            raise ConfigError(f"model.init_from: tensor {stored!r} in {wm[stored]} has shape {list(got)}, the model "
-                              f"section needs {list(want)}")
+            with safe_open(path, framework="pt") as f:
+                got = {name: tuple(f.get_slice(names[name]).get_shape()) for name in group}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConfigError(f"model.init_from: cannot read {path} ({type(e).__name__}: {e})") from None
+        for name in group:
+            want = shapes[name]
+            positions = name.endswith("wpe.weight") and got[name][1:] == want[1:] and got[name][0] >= want[0]
+            if got[name] != want and not positions:
+                raise ConfigError(f"model.init_from: tensor {names[name]!r} in {path} has shape {list(got[name])}, "
+                                  f"the model section needs {list(want)}")
 
 
 @torch.no_grad()
