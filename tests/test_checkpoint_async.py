@@ -163,3 +163,20 @@ def test_a_failed_background_save_is_reported_at_the_next_save(tmp_path):
     from megashard.checkpoint.consolidate import load_full_state_dict
 
     assert torch.equal(load_full_state_dict(str(tmp_path / "step_00000001"))["model"]["w"], torch.arange(6.0))
+
+
+def test_async_is_the_yaml_key():
+    from megashard.errors import ConfigError
+    from megashard.train.config import JobConfig
+
+    job = JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async=true"])
+    assert job.checkpoint.async_save is True
+    doc = job.to_dict()  # what `megashard run` writes to <out_dir>/config.yaml for the workers
+    assert doc["checkpoint"]["async"] is True and "async_save" not in doc["checkpoint"]
+    assert JobConfig.from_dict(doc).checkpoint.async_save is True
+    assert JobConfig.from_yaml(job_overrides.DEFAULT).checkpoint.async_save is False
+    with pytest.raises(ConfigError, match=r"checkpoint.async='yes' must be true or false"):
+        JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async='yes'"])
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): 'checkpoint.async_save'.*valid keys of 'checkpoint': "
+                       r".*async"):
+        JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async_save=true"])
