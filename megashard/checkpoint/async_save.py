@@ -134,7 +134,8 @@ class AsyncSaver:
         self.last_blocked_s = 0.0
         """Seconds the last :meth:`save` kept its caller waiting (waiting for the previous save included)."""
         self.last_phases: dict[str, float] = {}
-        """Where :attr:`last_blocked_s` went: ``wait_previous``, ``agree_and_directory`` (step 0), ``stage_and_start``."""
+        """Where :attr:`last_blocked_s` went (seconds): ``wait_previous``, ``agree_and_directory`` (step 0),
+        ``stage_and_start``."""
 
     def _background_group(self) -> Optional[dist.ProcessGroup]:
         """A gloo group of every rank for the background collectives (made at the first save, on every rank)."""

@@ -209,9 +209,10 @@ def check_hf_config(doc: dict, cfg: ModelConfig, ffn: int, where: str) -> None:
     _, model_type = HF_ARCH[cfg.arch]
     if doc.get("model_type") != model_type:
         other = [a for a, (_, t) in HF_ARCH.items() if t == doc.get("model_type")]
+        fix = (f"set model.arch={other[0]}" if other
+               else f"supported: {', '.join(t for _, t in HF_ARCH.values())}")
         raise ConfigError(f"model.init_from: {where} has model_type={doc.get('model_type')!r} but model.arch="
-                          f"{cfg.arch!r} needs {model_type!r}" + (f"; set model.arch={other[0]}" if other else
-                                                                     f"; supported: {', '.join(t for _, t in HF_ARCH.values())}"))
+                          f"{cfg.arch!r} needs {model_type!r}; {fix}")
     want = hf_config(cfg, ffn)
     if cfg.arch == "llama":
         checks = [("hidden_size", "model.hidden", None), ("num_hidden_layers", "model.layers", None),

@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints in and out: ``megashard ckpt export-hf`` and ``model.init_from``.
 
-    export_hf("runs/default/checkpoints", "hf-out")   # config.json + model*.safetensors: LlamaForCausalLM / GPT2LMHeadModel
+    export_hf("runs/default/checkpoints", "hf-out")  # config.json + model*.safetensors (GPT2LMHeadModel / Llama...)
     # model.init_from: hf-out   in a job's YAML: start from those weights (each rank reads only its slices)
 
 The export reads the checkpoint in one process through megashard's verified reader
