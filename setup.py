@@ -16,6 +16,8 @@ setup(
         "dev": ["pytest>=8"],
         "plot": ["matplotlib"],
         "data": ["tokenizers>=0.15"],
+        "hf": ["safetensors>=0.4"],
+        "hf-test": ["safetensors>=0.4", "transformers>=4.45"],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
 )

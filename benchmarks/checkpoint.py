@@ -20,7 +20,13 @@ ranks, against plain DCP and against torch.save / torch.load of the same bytes f
 table says whether they were met, and the machine's load average before and after. Both sections merge their
 results into ``benchmarks/results/checkpoint.json``.
 
-Usage: ``python benchmarks/checkpoint.py [--quick] [--only distribution] [--part io]``
+Section ``async_save`` (``--part async``): the time the training loop (``megashard.train.loop.train``) is blocked
+per checkpoint with ``checkpoint.async: true`` against the synchronous save, on the default job's GPT scaled up
+(hidden 768, 6 layers: ~0.5 GB per checkpoint with the AdamW moments), 4 gloo ranks (tp2 x dp_shard2); also the
+training time with no checkpoints, sync and async ones. Goal: blocked <= 10% of the synchronous save
+(``--quick``: hidden 256, 2 layers).
+
+Usage: ``python benchmarks/checkpoint.py [--quick] [--only distribution] [--part io] [--part async]``
 """
 from __future__ import annotations
 
@@ -315,8 +321,116 @@ def bench_save_load(args) -> Dict:
             "loadavg_before": load_before, "loadavg_after": load_after, "all_times_s": res["times"]}
 
 
+# ---------------------------------------------------------------------------------------------- async_save
+ASYNC_GOAL = 0.10  # blocked time of an async checkpoint <= 10% of the synchronous save's
+
+
+def _async_job(out_dir: str, mode: str, args) -> list:
+    """Overrides of configs/default.yaml: the default job's model scaled up (hidden, layers), 4 ranks tp2 x dp_shard2."""
+    ckpt = {"none": ["checkpoint.interval=0", "checkpoint.save_final=false"],
+            "sync": [f"checkpoint.interval={args.async_interval}", "checkpoint.async=false"],
+            "async": [f"checkpoint.interval={args.async_interval}", "checkpoint.async=true"]}[mode]
+    return [f"model.hidden={args.async_hidden}", f"model.heads={args.async_hidden // 64}",
+            f"model.layers={args.async_layers}", "model.seq_len=64", "train.global_batch=8",
+            f"train.steps={args.async_steps}", "train.progress=false", "train.plot=false", "train.resume=false",
+            "checkpoint.keep=1", f"train.out_dir={out_dir}/{mode}", "optim.warmup_steps=1", "parallel.tp=2",
+            "parallel.dp_shard=2", f"launch.nproc_per_node={args.async_ranks}"] + ckpt
+
+
+def _async_worker(rank: int, world: int, init_file: str, tmp: str, args, q) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import contextlib
+    import io
+    import warnings
+
+    import torch.distributed as dist
+
+    from megashard.train.config import JobConfig
+    from megashard.train.loop import train
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for mode in ("none", "sync", "async", "none2"):
+            job = JobConfig.from_yaml(os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "..", "configs", "default.yaml"),
+                                      _async_job(tmp, mode.rstrip("2"), args))
+            dist.barrier()
+            t0 = time.perf_counter()
+            with contextlib.redirect_stderr(io.StringIO()):
+                r = train(job)
+            out[mode] = {"wall_s": time.perf_counter() - t0, "train_s": r.seconds,
+                         "blocked_s": {str(k): v for k, v in r.checkpoint_blocked_s.items()},
+                         "end_wait_s": r.checkpoint_end_wait_s}
+        if rank == 0:
+            ckpt = os.path.join(tmp, "sync", "checkpoints")
+            nbytes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ckpt) for f in fs)
+            q.put({"runs": out, "checkpoint_bytes": nbytes})
+    except BaseException as e:  # noqa: BLE001 - report instead of hanging the parent
+        q.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_async_save(args) -> Dict:
+    """Time the training loop is blocked per checkpoint: checkpoint.async against the synchronous save."""
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+
+    world = args.async_ranks
+    tmp = tempfile.mkdtemp(prefix="megashard-bench-async-", dir=args.io_dir)
+    load_before = os.getloadavg()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_async_worker, args=(r, world, os.path.join(tmp, "rdv"), tmp, args, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res = q.get(timeout=3600)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if "error" in res:
+        raise SystemExit(res["error"])
+    load_after = os.getloadavg()
+    runs = res["runs"]
+    steps = sorted(runs["sync"]["blocked_s"], key=int)
+    sync = [runs["sync"]["blocked_s"][k] for k in steps]
+    asyn = [runs["async"]["blocked_s"][k] for k in steps]
+    mid = steps[:-1] or steps  # checkpoints during training (the last one is followed by the end's wait)
+    ratio = statistics.median(runs["async"]["blocked_s"][k] for k in mid) / statistics.median(
+        runs["sync"]["blocked_s"][k] for k in mid)
+    none_s = min(runs["none"]["train_s"], runs["none2"]["train_s"])
+    print(f"\ncheckpoint blocking: the default job's GPT scaled to hidden={args.async_hidden}, layers={args.async_layers} "
+          f"({res['checkpoint_bytes'] / 1e6:.0f} MB per checkpoint with AdamW moments), {world} gloo ranks (tp2 x dp_shard2), "
+          f"{args.async_steps} steps, a checkpoint every {args.async_interval} (files fsynced; {os.cpu_count()} cpus, "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after)")
+    print(f"{'step':>6} {'sync save s':>12} {'async blocked s':>16} {'async / sync':>13}")
+    for k, a, b in zip(steps, sync, asyn):
+        print(f"{k:>6} {a:>12.3f} {b:>16.3f} {b / a:>12.1%}")
+    print(f"end of training waits for the last background save: {runs['async']['end_wait_s']:.2f} s")
+    print(f"training time (steps only): no checkpoints {none_s:.1f} s, sync {runs['sync']['train_s']:.1f} s, "
+          f"async {runs['async']['train_s']:.1f} s (+ end wait {runs['async']['end_wait_s']:.1f} s)")
+    met = ratio <= ASYNC_GOAL
+    print(f"goal: async blocked time <= {ASYNC_GOAL:.0%} of the sync save (median over the checkpoints during "
+          f"training): {ratio:.1%}: {'met' if met else 'NOT met'}")
+    return {"ranks": world, "hidden": args.async_hidden, "layers": args.async_layers, "steps": args.async_steps,
+            "interval": args.async_interval, "checkpoint_bytes": res["checkpoint_bytes"], "runs": runs,
+            "sync_save_s": dict(zip(steps, sync)), "async_blocked_s": dict(zip(steps, asyn)),
+            "goal": {"async_blocked_over_sync_save": ASYNC_GOAL, "got": ratio, "met": met},
+            "loadavg_before": load_before, "loadavg_after": load_after}
+
+
 # name -> function(args) -> JSON-able dict. The save/load-throughput section goes here as "save_load".
-SECTIONS: Dict[str, Callable] = {"distribution": bench_distribution, "save_load": bench_save_load}
+SECTIONS: Dict[str, Callable] = {"distribution": bench_distribution, "save_load": bench_save_load,
+                                 "async_save": bench_async_save}
 
 
 def main(argv=None) -> None:
@@ -330,17 +444,23 @@ def main(argv=None) -> None:
     p.add_argument("--megatron-repeat", type=int, default=1, help="repeats of the slow megatron-shape baseline")
     p.add_argument("--skip-megatron-shape", action="store_true")
     p.add_argument("--json", default=RESULTS)
-    p.add_argument("--part", choices=("io", "distribution"), action="append",
-                   help="io = the save_load section, distribution = the distribution section")
+    p.add_argument("--part", choices=("io", "distribution", "async"), action="append",
+                   help="io = the save_load section, distribution = the distribution section, async = async_save")
     p.add_argument("--io-mb", type=int, default=None, help="save_load: state size in MB (default 1024; --quick 64)")
     p.add_argument("--io-ranks", type=int, default=4, help="save_load: gloo ranks")
     p.add_argument("--io-repeat", type=int, default=3, help="save_load: best-of repeats")
     p.add_argument("--io-dir", default=None, help="save_load: where to write (default: the system temp dir)")
+    p.add_argument("--async-hidden", type=int, default=768, help="async_save: model.hidden (heads = hidden / 64)")
+    p.add_argument("--async-layers", type=int, default=6, help="async_save: model.layers")
+    p.add_argument("--async-steps", type=int, default=9, help="async_save: training steps per run")
+    p.add_argument("--async-interval", type=int, default=3, help="async_save: steps between checkpoints")
+    p.add_argument("--async-ranks", type=int, default=4, help="async_save: gloo ranks (tp2 x dp_shard)")
     args = p.parse_args(argv)
     if args.part:
-        args.only = (args.only or []) + [{"io": "save_load"}.get(x, x) for x in args.part]
+        args.only = (args.only or []) + [{"io": "save_load", "async": "async_save"}.get(x, x) for x in args.part]
     if args.quick:
         args.shards, args.repeat, args.ref_repeat = 10_000, 1, 1
+        args.async_hidden, args.async_layers = 256, 2
     torch.set_num_threads(1)
     results = {}
     if os.path.exists(args.json):  # keep the other sections' last results

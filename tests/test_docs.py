@@ -24,7 +24,7 @@ def test_config_reference_is_generated_from_dataclasses():
     assert render_into(text) == text, "docs/config.md is stale: run python tools/gen_config_docs.py"
     for name, cls in sections():
         for f in dataclasses.fields(cls):
-            assert f"| `{f.name}` |" in text, (name, f.name)
+            assert f"| `{f.metadata.get('yaml', f.name)}` |" in text, (name, f.name)  # the YAML key
 
 
 def test_every_config_field_is_documented_where_declared():
@@ -54,8 +54,8 @@ def test_setup_installs_what_the_promised_outputs_need():
     """The README promises a loss curve (matplotlib: the plot extra) and says which torch build comes."""
     setup = (ROOT / "tools" / "setup.sh").read_text(encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert 'pip_ install -e ".[dev,plot,data]"' in setup
-    assert "import torch, yaml, pytest, matplotlib, tokenizers, megashard" in setup
+    assert 'pip_ install -e ".[dev,plot,data,hf,hf-test]"' in setup
+    assert "import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, megashard" in setup
     assert "https://download.pytorch.org/whl/cpu" in setup and "https://download.pytorch.org/whl/cpu" in readme
     assert "4.7 GB" in setup and "4.7 GB" in readme
     assert "PYTHON=" in readme and "VENV=" in readme

@@ -3,8 +3,9 @@
 Examples are the lines of ```bash blocks and ``$ ``-prefixed lines of other (non-Python) blocks, the
 ``  megashard ...`` (and ``  mkdir -p ...``) lines of every ``--help`` epilog and the ``#   megashard ...`` lines
 of configs/*.yaml (``mkdir -p DIR && megashard ...`` too). Cheap ones run in this process from a scratch directory
-holding ``configs/``, ``README.md``, ``docs/``, a checkpoint made here (``runs/default/checkpoints``, ``out/ckpt``,
-``out/checkpoints``, each with ``step_00000100``), the user's inputs the data examples name (``notes.txt``,
+holding ``configs/``, ``README.md``, ``docs/``, a checkpoint made here (``out/ckpt``, ``out/checkpoints``, each with
+``step_00000100``), a checkpoint of the default job trained here for one step (``runs/default/checkpoints``: what
+``ckpt export-hf`` exports), the user's inputs the data examples name (``notes.txt``,
 ``web.jsonl``, ``books/**/*.txt``) and a corpus prepared from them (``data/corpus``): ``plan``, ``run --dry-run``,
 ``ckpt``, ``data``, ``--help``. An example followed by a documented ``megashard X: error: ...`` line must fail with
 exit code 2 and that message. Training examples are not run here (test_train_launch.py trains the
@@ -32,6 +33,7 @@ SKIPPED = {
     "slurm": "needs a Slurm allocation (srun)",
     "tokenizers": "needs the optional Hugging Face tokenizers package (pip install 'megashard[data]')",
     "gpu-check": "sets up and runs the GPU check (tools/gpu-check.sh): tests/test_gpu_check.py runs it here",
+    "safetensors": "needs the optional safetensors package (pip install 'megashard[hf]')",
 }
 
 
@@ -182,6 +184,21 @@ def check_save_step_100(rank, world_size):
     megashard.destroy()
 
 
+def check_train_default_one_step(rank, world_size):
+    """The default job, one rank, one step: a checkpoint with the job's config (``ckpt export-hf`` reads it)."""
+    import contextlib
+    import io
+
+    from megashard.train.config import JobConfig
+    from megashard.train.loop import train
+
+    job = JobConfig.from_yaml(os.path.join(ROOT, "configs", "default.yaml"), [
+        "parallel.tp=1", "launch.nproc_per_node=1", "train.steps=1", "train.progress=false", "train.plot=false",
+        f"train.out_dir={os.environ[CKPT_ENV]}"])
+    with contextlib.redirect_stderr(io.StringIO()):
+        train(job)
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A directory to run the examples from: configs/, README.md, docs/, a step-100 checkpoint where the docs look,
@@ -197,10 +214,11 @@ def scratch(tmp_path_factory):
     os.environ[CKPT_ENV] = str(d / "out" / "ckpt")
     try:
         spawn_checks([check_save_step_100], world_size=1).assert_ok("check_save_step_100")
+        os.environ[CKPT_ENV] = str(d / "runs" / "default")  # the README's path: the default job's checkpoints
+        spawn_checks([check_train_default_one_step], world_size=1).assert_ok("check_train_default_one_step")
     finally:
         os.environ.pop(CKPT_ENV, None)
-    for where in ("out/checkpoints", "runs/default/checkpoints"):  # the epilog's and the README's paths
-        shutil.copytree(d / "out" / "ckpt", d / where)
+    shutil.copytree(d / "out" / "ckpt", d / "out" / "checkpoints")  # the epilogs' path
     for name, text in INPUTS.items():
         os.makedirs((d / name).parent, exist_ok=True)
         (d / name).write_text(text, encoding="utf-8")
@@ -252,6 +270,11 @@ def test_example_runs_as_written(ex, scratch, monkeypatch, capsys):
 
         if importlib.util.find_spec("tokenizers") is None:
             pytest.skip(SKIPPED["tokenizers"])
+    if argv[:2] == ["ckpt", "export-hf"]:
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is None:
+            pytest.skip(SKIPPED["safetensors"])
     monkeypatch.chdir(scratch)
     code = main(argv)
     out, err = capsys.readouterr()

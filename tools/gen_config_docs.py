@@ -49,7 +49,7 @@ def table(cls: type, section: str) -> str:
         typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         doc = docs.get(f.name, "").replace("|", "\\|")
         typ = typ.replace("|", "\\|")
-        rows.append(f"| `{f.name}` | `{typ}` | `{default}` | {doc} |")
+        rows.append(f"| `{f.metadata.get('yaml', f.name)}` | `{typ}` | `{default}` | {doc} |")
     return "\n".join(rows)
 
 

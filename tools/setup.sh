@@ -13,8 +13,9 @@
 #   1. a torch wheel pip finds on local disk (pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels), no download;
 #   2. else the PyTorch CPU index (~200 MB), tried with a short timeout;
 #   3. else PyPI, whose Linux x86_64 torch is the CUDA build (~4.7 GB with its nvidia-* packages).
-# Then megashard itself (editable) with the `dev` (pytest), `plot` (matplotlib: loss.png) and `data`
-# (tokenizers: BPE tokenizers for `megashard data prepare`) extras.
+# Then megashard itself (editable) with the `dev` (pytest), `plot` (matplotlib: loss.png), `data`
+# (tokenizers: BPE tokenizers for `megashard data prepare`), `hf` (safetensors: `megashard ckpt export-hf`,
+# `model.init_from`) and `hf-test` (transformers: the Hugging Face round-trip tests) extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -43,7 +44,7 @@ pip_() { "$VPY" -m pip -q --disable-pip-version-check "$@"; }
 ready() {
   env -u PYTHONPATH "$VPY" - "$PWD" <<'EOF' >/dev/null 2>&1
 import os, sys
-import torch, yaml, pytest, matplotlib, tokenizers, megashard
+import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, megashard
 assert (2, 11) <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
 assert os.path.dirname(os.path.dirname(os.path.abspath(megashard.__file__))) == sys.argv[1]  # this checkout
 EOF
@@ -65,8 +66,8 @@ if ! ready; then
     fi
     rm -f "$VENV/cpu-index.log"
   fi
-  # torch's own dependencies (when it came without them) and megashard with its dev, plot and data extras.
-  pip_ install -e ".[dev,plot,data]"
+  # torch's own dependencies (when it came without them) and megashard with its dev, plot, data, hf, hf-test extras.
+  pip_ install -e ".[dev,plot,data,hf,hf-test]"
   ready || { say "error: $VENV is incomplete after installing; see the pip output above"; exit 1; }
 fi
 env -u PYTHONPATH "$VPY" - <<'EOF'

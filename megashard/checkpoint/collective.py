@@ -67,8 +67,9 @@ def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Opt
 
 
 def agree(value: Any = None, error: Optional[BaseException] = None, *,
-          rank0: Optional[Callable[[list], Any]] = None) -> Any:
-    """Collective over the default group: end a step with the same outcome on every rank.
+          rank0: Optional[Callable[[list], Any]] = None, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Collective over the default group (or ``group``, which holds every rank in the same order: e.g. the
+    group of a background save): end a step with the same outcome on every rank.
 
     Without ``rank0``: all-gather every rank's ``(value, error)``; if any rank failed, every rank raises
     the lowest failing rank's error, else every rank returns the values in rank order.
@@ -91,11 +92,11 @@ def agree(value: Any = None, error: Optional[BaseException] = None, *,
     mine = (value, portable(error))
     if rank0 is None:
         pairs: list = [None] * world
-        dist.all_gather_object(pairs, mine)
+        dist.all_gather_object(pairs, mine, group=group)
         _raise_first(pairs, rank, error)
         return [v for v, _ in pairs]
     pairs = [None] * world if rank == 0 else []
-    dist.gather_object(mine, pairs if rank == 0 else None, dst=0)
+    dist.gather_object(mine, pairs if rank == 0 else None, dst=0, group=group)
     outcome: list = [None]
     if rank == 0:
         failed = _first_failure(pairs)
@@ -105,7 +106,7 @@ def agree(value: Any = None, error: Optional[BaseException] = None, *,
             result, err = capture(rank0, [v for v, _ in pairs])
             outcome[0] = (result, portable(err), 0 if err is not None else None)
             error = err if err is not None else error
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     result, err, origin = outcome[0]
     if err is not None:
         _raise_from(origin, err, rank, error)

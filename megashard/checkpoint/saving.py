@@ -56,6 +56,7 @@ def save(
     parallel_state=None,
     sync_files: bool = True,
     thread_count: int = 1,
+    job: Optional[dict] = None,
 ) -> str:
     """Save a checkpoint of ``step`` under ``root`` (collective over the default process group).
 
@@ -77,31 +78,17 @@ def save(
         parallel_state: the ParallelState whose layout is recorded (default: the current one, if any).
         sync_files: fsync every file (needed for crash safety; False only for benchmarks / tests).
         thread_count: writer threads per rank.
+        job: the job's config (a YAML-ready dict, e.g. ``JobConfig.to_dict()``), recorded in ``megashard.json``
+            so offline tools (``megashard ckpt export-hf``) know the model.
 
     Returns: the path of the complete checkpoint.
     """
     rank, world = rank_world()
     st = rank_state.current_state(parallel_state)
-    name = safety.checkpoint_dirname(step)
-    root = os.path.abspath(root)
-    final, tmp = os.path.join(root, name), os.path.join(root, safety.TMP_PREFIX + name)
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise CheckpointError(f"keep_last must be an int >= 1 or None (keep everything), got {keep_last!r}")
-    if checksum not in checksums.CHECKSUM_ALGORITHMS:
-        raise CheckpointError(f"checksum={checksum!r} is not supported; use one of {sorted(checksums.CHECKSUM_ALGORITHMS)}")
+    root, final, tmp = targets(root, step)
+    check_arguments(keep_last, checksum)
     t0 = time.perf_counter()
-
-    # Step 0: every rank collects its state and checks its arguments; all agree (same root and step, nothing
-    # wrong anywhere) before rank 0 prepares the temporary directory.
-    sd, err = capture(_collect_checked, model, optimizer, state_dict, sections, data_state)
-    seen = agree((root, step), err)
-    bad = [r for r, target in enumerate(seen) if target != seen[0]]
-    if bad:
-        raise CheckpointError(
-            f"ranks disagree on the checkpoint: rank 0 saves step {seen[0][1]} to {seen[0][0]}, but ranks {bad[:8]} "
-            f"pass {[seen[r] for r in bad[:3]]}; every rank must call save() with the same root and step"
-        )
-    agree(rank0=lambda _: _prepare_directory(root, final, tmp, overwrite))
+    sd = begin(root, step, final, tmp, overwrite, model, optimizer, state_dict, sections, data_state)
 
     # Step 1: DCP writes the tensors, each replicated shard by one of its holders.
     attach_uneven_layouts(sd)
@@ -113,17 +100,62 @@ def save(
     except CheckpointException as e:
         raise unwrap_dcp_error(e) from None
 
-    # Steps 2-3: per-rank state (the data files were hashed, whole and per item, as they were written); then
-    # rank 0 writes the layout file and the marker (last) and publishes the directory by renaming it.
-    records, err = capture(_write_rank_files, writer, metadata, tmp, rank, data_state, checksum)
-    removed = agree(records, err, rank0=lambda gathered: _publish(
-        gathered, root=root, final=final, tmp=tmp, step=step, checksum=checksum, overwrite=overwrite,
-        keep_last=keep_last, consumed_samples=consumed_samples, layout=rank_state.layout_record(st, world),
-        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}))
+    removed = finish(writer, metadata, sd, root=root, final=final, tmp=tmp, step=step, checksum=checksum,
+                     overwrite=overwrite, keep_last=keep_last, consumed_samples=consumed_samples, data_state=data_state,
+                     layout=rank_state.layout_record(st, world), job=job)
     if rank == 0:
         logger.info("saved checkpoint %s (%d ranks, %.2f s)%s", final, world, time.perf_counter() - t0,
                     f"; retention removed {removed}" if removed else "")
     return final
+
+
+def targets(root: str, step: int) -> tuple[str, str, str]:
+    """``(root, final, tmp)`` absolute paths of the checkpoint of ``step`` under ``root``."""
+    name = safety.checkpoint_dirname(step)
+    root = os.path.abspath(root)
+    return root, os.path.join(root, name), os.path.join(root, safety.TMP_PREFIX + name)
+
+
+def check_arguments(keep_last: Optional[int], checksum: str) -> None:
+    """CheckpointError for a bad ``keep_last`` or ``checksum`` argument of a save."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last must be an int >= 1 or None (keep everything), got {keep_last!r}")
+    if checksum not in checksums.CHECKSUM_ALGORITHMS:
+        raise CheckpointError(f"checksum={checksum!r} is not supported; use one of {sorted(checksums.CHECKSUM_ALGORITHMS)}")
+
+
+def begin(root: str, step: int, final: str, tmp: str, overwrite: bool, model, optimizer, state_dict: Optional[dict],
+          sections: Optional[dict], data_state: Any) -> dict:
+    """Step 0 (collective, default group): every rank's state dict, checked; the temporary directory made."""
+    # Every rank collects its state and checks its arguments; all agree (same root and step, nothing
+    # wrong anywhere) before rank 0 prepares the temporary directory.
+    sd, err = capture(_collect_checked, model, optimizer, state_dict, sections, data_state)
+
+    def prepare(seen: list) -> None:  # rank 0, once every rank's target is known: one gather, one broadcast
+        bad = [r for r, target in enumerate(seen) if target != seen[0]]
+        if bad:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint: rank 0 saves step {seen[0][1]} to {seen[0][0]}, but ranks "
+                f"{bad[:8]} pass {[seen[r] for r in bad[:3]]}; every rank must call save() with the same root and step"
+            )
+        _prepare_directory(root, final, tmp, overwrite)
+
+    agree((root, step), err, rank0=prepare)
+    return sd
+
+
+def finish(writer: ChecksummingFileSystemWriter, metadata, sd: dict, *, root: str, final: str, tmp: str, step: int,
+           checksum: str, overwrite: bool, keep_last: Optional[int], consumed_samples: Optional[int], data_state: Any,
+           layout: dict, job: Optional[dict], group=None) -> list:
+    """Steps 2-3 (collective over ``group``): per-rank state (the data files were hashed, whole and per item, as
+    they were written); then rank 0 writes the layout file and the marker (last), publishes the directory by
+    renaming it and applies retention. Returns the paths retention removed."""
+    rank, _ = rank_world()
+    records, err = capture(_write_rank_files, writer, metadata, tmp, rank, data_state, checksum)
+    return agree(records, err, group=group, rank0=lambda gathered: _publish(
+        gathered, root=root, final=final, tmp=tmp, step=step, checksum=checksum, overwrite=overwrite,
+        keep_last=keep_last, consumed_samples=consumed_samples, layout=layout,
+        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}, job=job))
 
 
 def _collect_checked(model, optimizer, state_dict: Optional[dict], sections: Optional[dict], data_state: Any) -> dict:
@@ -151,7 +183,8 @@ def _write_rank_files(writer: ChecksummingFileSystemWriter, metadata, tmp: str, 
 
 
 def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, checksum: str, overwrite: bool,
-             keep_last: Optional[int], consumed_samples: Optional[int], layout: dict, sections: dict) -> list:
+             keep_last: Optional[int], consumed_samples: Optional[int], layout: dict, sections: dict,
+             job: Optional[dict] = None) -> list:
     """Rank 0: layout file, marker (last), rename to the final name, retention. Returns the removed paths."""
     all_files: dict = {}
     all_items: dict = {}
@@ -162,7 +195,7 @@ def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, chec
         "format": safety.FORMAT, "version": safety.FORMAT_VERSION, "step": step,
         "consumed_samples": consumed_samples, "layout": layout, "sections": sections,
         "has_data_state": any(has for _, _, has in gathered), "torch": torch.__version__,
-        "megashard": _megashard_version(), "created": time.time(),
+        "megashard": _megashard_version(), "created": time.time(), **({"job": job} if job is not None else {}),
     })
     all_files[safety.LAYOUT_FILE] = checksums.file_record(os.path.join(tmp, safety.LAYOUT_FILE), checksum)
     safety.write_marker(tmp, step, all_files, checksum, all_items)

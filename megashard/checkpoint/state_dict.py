@@ -75,11 +75,12 @@ def _without_tensors(x: Any) -> Any:
     return x
 
 
-def attach_uneven_layouts(sd: dict) -> None:
-    """Collective: give every DTensor of ``sd`` its real (possibly uneven) chunk for DCP (one exchange per mesh axis)."""
+def attach_uneven_layouts(sd: dict, cache: Optional[dict] = None) -> None:
+    """Collective: give every DTensor of ``sd`` its real (possibly uneven) chunk for DCP (one exchange per mesh axis;
+    ``cache``: reuse the previous call's layouts when nothing changed, see ``preprocess_state_dict_for_uneven_dtensor``)."""
     from megashard.tensors.uneven import preprocess_state_dict_for_uneven_dtensor
 
-    preprocess_state_dict_for_uneven_dtensor(sd)
+    preprocess_state_dict_for_uneven_dtensor(sd, cache=cache)
 
 
 

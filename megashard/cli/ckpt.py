@@ -1,4 +1,4 @@
-"""``megashard ckpt inspect|consolidate``: checkpoints offline, in one process (:mod:`megashard.checkpoint`)."""
+"""``megashard ckpt inspect|consolidate|export-hf``: checkpoints offline, in one process (:mod:`megashard.checkpoint`)."""
 from __future__ import annotations
 
 import argparse
@@ -10,16 +10,18 @@ from megashard.errors import error_line
 
 
 def add(sub: argparse._SubParsersAction) -> None:
-    """``megashard ckpt inspect|consolidate``."""
+    """``megashard ckpt inspect|consolidate|export-hf``."""
     cmds = add_actions(
         sub, "ckpt",
-        help="inspect a checkpoint, or consolidate it into one torch.save file (one process, any layout)",
+        help="inspect a checkpoint, consolidate it into one torch.save file, or export it to Hugging Face "
+        "(one process, any layout)",
         description="Offline tools for checkpoints saved by megashard.checkpoint.save. See docs/checkpoint_io.md.",
         epilog=(
             "examples:\n"
             "  megashard ckpt inspect out/checkpoints                 # newest complete checkpoint\n"
             "  megashard ckpt inspect out/checkpoints/step_00000100 --format json --no-verify\n"
             "  megashard ckpt consolidate out/checkpoints full.pt    # torch.load(full.pt, weights_only=True)\n"
+            "  megashard ckpt export-hf runs/default/checkpoints hf-model   # transformers: from_pretrained('hf-model')\n"
             "\nexit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage or no checkpoint"
         ),
     )
@@ -45,6 +47,23 @@ def add(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--no-verify", action="store_true", help="check file sizes only, not checksums")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     c.set_defaults(handler=_cmd_ckpt_consolidate, parser=c)
+    e = cmds.add_parser(
+        "export-hf", help="write a Hugging Face model directory (safetensors + config.json) of the model",
+        description="Write the model of a `megashard run` checkpoint as a Hugging Face model directory OUT: "
+        "config.json and safetensors shards that transformers loads as LlamaForCausalLM (model.arch llama) or "
+        "GPT2LMHeadModel (model.arch gpt), with the same logits. Reads every byte verified, in one process, "
+        "whatever layout the checkpoint was saved with. Needs pip install 'megashard[hf]'. See docs/hf.md.",
+        epilog="exit codes: 0 ok, 1 damaged checkpoint (files named on stderr), 2 usage, no checkpoint or no "
+        "model config",
+    )
+    e.add_argument("dir", metavar="CKPT", help="checkpoint directory, or a root (its newest complete checkpoint)")
+    e.add_argument("out", metavar="OUT", help="output directory (written next to it, then renamed)")
+    e.add_argument("--config", default=None, metavar="YAML",
+                   help="the job's config, for checkpoints that record none (default: the one in the checkpoint)")
+    e.add_argument("--max-shard-mb", type=int, default=2048, metavar="MB",
+                   help="largest safetensors file, in MB (default 2048; several files get an index)")
+    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e.set_defaults(handler=_cmd_ckpt_export_hf, parser=e)
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
@@ -77,4 +96,21 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
         return 1
     print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB) from {summary['path']}", file=sys.stderr)
+    return 0
+
+
+def _cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
+    from megashard.cli.options import check_int
+    from megashard.errors import CheckpointCorruptedError
+    from megashard.train.hf_io import export_hf
+
+    check_int("--max-shard-mb", args.max_shard_mb, 1)
+    try:
+        s = export_hf(args.dir, args.out, config_path=args.config, max_shard_bytes=args.max_shard_mb << 20,
+                      overwrite=args.force)
+    except CheckpointCorruptedError as e:
+        print(error_line(args.parser.prog, e), file=sys.stderr)
+        return 1
+    print(f"megashard ckpt export-hf: wrote {s['out']} ({s['class']}: {s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB "
+          f"in {s['shards']} safetensors file(s)) from {s['path']}", file=sys.stderr)
     return 0

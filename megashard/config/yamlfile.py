@@ -126,9 +126,20 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
+def yaml_key(f: dataclasses.Field) -> str:
+    """The YAML key of a config field: its name, or ``metadata["yaml"]`` when the key is a Python keyword
+    (``checkpoint.async`` is the field ``async_save``)."""
+    return f.metadata.get("yaml", f.name)
+
+
+def yaml_keys(cls: type) -> dict[str, str]:
+    """YAML key -> field name of every field of dataclass ``cls``."""
+    return {yaml_key(f): f.name for f in dataclasses.fields(cls)}
+
+
 def reject_unknown_keys(cls: type, data: Mapping[str, Any], section: str) -> None:
     """Raise ConfigError naming every key of ``data`` that is not a field of dataclass ``cls``, with a "did you mean"."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(yaml_keys(cls))
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError(f"unknown config key(s): {unknown_names(unknown, names, prefix=section + '.')}; valid keys of "

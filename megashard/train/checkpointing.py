@@ -61,18 +61,27 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Paral
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState,
-                    *, consumed_samples: Optional[int] = None, keep: int = 0) -> str:
+                    *, consumed_samples: Optional[int] = None, keep: int = 0, job: Optional[dict] = None,
+                    saver: Optional[Any] = None) -> str:
     """Write the checkpoint of ``step`` under ``root`` (all ranks call); keep the newest ``keep`` (0 = all).
 
     Uses :func:`megashard.checkpoint.save`: written to a temporary directory, published by an
     atomic rename with a completion marker, so a run killed mid-save leaves the previous checkpoint
-    as the newest complete one. Returns the checkpoint directory.
+    as the newest complete one. ``job``: the job's config (``JobConfig.to_dict()``), recorded for offline tools.
+    ``saver``: a :class:`megashard.checkpoint.async_save.AsyncSaver` (``checkpoint.async``): returns once the state
+    is staged in host memory; the checkpoint is complete when the saver's next save or ``wait()`` returns.
+    Returns the checkpoint directory.
     """
     from megashard import checkpoint
 
+    if saver is not None:
+        return saver.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
+                          consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32", overwrite=True,
+                          parallel_state=state, job=job)
+
     return checkpoint.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
                            consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32",
-                           overwrite=True, parallel_state=state)
+                           overwrite=True, parallel_state=state, job=job)
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

@@ -10,11 +10,13 @@ size — or for sizes already resolved (a worker's ParallelState resolved them).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from megashard.config import ParallelConfig, ResolvedSizes, check_world_size, fmt_divisors
+from megashard.config.yamlfile import yaml_key
 from megashard.errors import ConfigError, unknown_names
 from megashard.train.sections import (  # noqa: F401  (the section classes are importable from here too)
     ARCHS,
@@ -94,7 +96,8 @@ class JobConfig:
         """The YAML-ready dict of every section (what a run writes to ``<out_dir>/config.yaml``)."""
         out = {"parallel": self.parallel.to_dict()}
         for sec, _ in CONFIG_SECTIONS:
-            out[sec] = dataclasses.asdict(getattr(self, sec))
+            obj = getattr(self, sec)
+            out[sec] = {yaml_key(f): copy.deepcopy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return out
 
     # ------------------------------------------------------------------ derived values
@@ -325,6 +328,10 @@ class JobConfig:
         if m.arch == "llama":
             _need((m.hidden // m.heads) % 2 == 0,
                   f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
+        if m.init_from is not None:
+            from megashard.train.hf_io import check_init_from
+
+            check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
         _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
         _need(t.eval_interval >= 0 and t.eval_batches >= 1,

@@ -53,6 +53,11 @@ class TrainResult:
     """Average global throughput of this run's steps."""
     out_dir: str = ""
     """The run's output directory."""
+    checkpoint_blocked_s: dict[int, float] = field(default_factory=dict)
+    """step → seconds the loop waited for that step's checkpoint (``checkpoint.async``: staging only, plus waiting for
+    the previous background save if it still ran)."""
+    checkpoint_end_wait_s: float = 0.0
+    """``checkpoint.async``: seconds the end of training waited for the last background save."""
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -159,6 +164,10 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
         model: torch.nn.Module = PipelineModel(parts)
     else:
         model = parallelize(make(), state, mp_policy=mp)
+    if job.model.init_from is not None:  # Hugging Face weights instead of the seeded init (each rank its slices)
+        from megashard.train.hf_io import load_init_from
+
+        load_init_from(model, job, state)
     decay, no_decay = [], []
     for p in model.parameters():
         (decay if len(getattr(p, "_global_shape", p.shape)) >= 2 else no_decay).append(p)
@@ -267,7 +276,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         state = ms.get_parallel_state()
     rank = dist.get_rank()
     t = job.train
-    lock = None
+    lock = saver = None
     try:
         if own_state:
             sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
@@ -306,6 +315,10 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         tokens_per_step = t.global_batch * job.model.seq_len
         result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
         dp_cp = sizes.dp * sizes.cp
+        if job.checkpoint.async_save:  # checkpoint.async: written in the background, one save in flight
+            from megashard.checkpoint.async_save import AsyncSaver
+
+            saver = AsyncSaver()
         model.train()
         t_start = time.perf_counter()
         for step in range(start, t.steps):
@@ -346,9 +359,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
                 os._exit(1)
             last = done == t.steps
             if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
+                t_save = time.perf_counter()
                 save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
-                                keep=job.checkpoint.keep)
+                                keep=job.checkpoint.keep, job=job.to_dict(), saver=saver)
+                result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
         bar.close()
+        if saver is not None:  # the end of training waits for the last background save (and reports its error)
+            saver, pending = None, saver
+            t_save = time.perf_counter()
+            pending.close()
+            result.checkpoint_end_wait_s = time.perf_counter() - t_save
         result.seconds = time.perf_counter() - t_start
         steps_run = result.final_step - start
         result.tokens_per_s = tokens_per_step * steps_run / result.seconds if steps_run and result.seconds > 0 else 0.0
@@ -362,6 +382,11 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         _final_barrier(job.parallel.timeout)
         return result
     finally:
+        if saver is not None:  # an error interrupted training: let the save in flight finish (or fail) first
+            try:
+                saver.close()
+            except Exception as e:  # noqa: BLE001 - the error that interrupted training is the one to report
+                print(f"megashard run: rank {rank}: {e}", file=sys.stderr, flush=True)
         if lock is not None:
             lock.release()
         if own_state:

@@ -8,10 +8,10 @@ each value's type; :class:`~megashard.train.config.JobConfig` holds the sections
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from megashard.config.yamlfile import reject_unknown_keys
+from megashard.config.yamlfile import reject_unknown_keys, yaml_keys
 from megashard.errors import ConfigError
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -67,6 +67,11 @@ class ModelConfig:
     """Activation recompute of every block through ``megashard.state.recompute.checkpoint`` (trades compute for memory)."""
     distribute_saved_activations: bool = False
     """With recompute: keep only 1/tp of each block's saved input between forward and backward."""
+    init_from: Optional[str] = None
+    """Start from a Hugging Face model directory (``config.json`` + ``*.safetensors``, e.g. ``save_pretrained`` or
+    ``megashard ckpt export-hf``) instead of the seeded init: its config must describe this model section (checked
+    before any process starts); each rank reads only its own slices. A resumed run loads its checkpoint instead.
+    Needs ``pip install 'megashard[hf]'`` (docs/hf.md)."""
 
 
 @dataclass
@@ -185,6 +190,12 @@ class CheckpointConfig:
     load_path: Optional[str] = None
     """Start from this checkpoint directory (a ``step_<N>`` directory holding ``COMPLETE.json``, e.g. of another
     run) instead of the newest one in ``dir``; damaged → error, no fallback. Exclusive with ``load_step``."""
+    async_save: bool = field(default=False, metadata={"yaml": "async"})
+    """Save in the background (DCP's asynchronous save): training stops only while the state is
+    copied to host memory, then continues while the copy is written, checksummed and published (marker, rename,
+    retention); at most one save is in flight (the next save and the end of training wait for it). A failed
+    background save is reported at the next checkpoint or at the end; the previous checkpoint stays loadable.
+    (Python field: ``async_save``, as ``async`` is a keyword.)"""
 
 
 @dataclass
@@ -225,13 +236,13 @@ SECTION_NAMES = ("parallel",) + tuple(n for n, _ in CONFIG_SECTIONS)
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-def _check_type(cls: type, section: str, name: str, value: Any) -> Any:
+def _check_type(cls: type, section: str, name: str, value: Any, key: Optional[str] = None) -> Any:
     """Check (and mildly coerce: int → float, "1e-3" → float) ``value`` against the field's annotation."""
     hints = typing.get_type_hints(cls)
     hint = hints[name]
     optional = type(None) in typing.get_args(hint)
     base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if optional else hint
-    where = f"{section}.{name}"
+    where = f"{section}.{key or name}"
     if value is None:
         if optional:
             return None
@@ -267,4 +278,5 @@ def section_from_dict(cls: type, data: Optional[Mapping[str, Any]], section: str
     if not isinstance(data, Mapping):
         raise ConfigError(f"section '{section}' must be a mapping of keys, got {type(data).__name__} {data!r}")
     reject_unknown_keys(cls, data, section)
-    return cls(**{k: _check_type(cls, section, k, v) for k, v in data.items()})
+    fields = yaml_keys(cls)
+    return cls(**{fields[k]: _check_type(cls, section, fields[k], v, k) for k, v in data.items()})

@@ -147,13 +147,18 @@ def get_unflattened_state_dict(state_dict: Any, key_chain: Optional[List[Any]] =
     return node
 
 
-def preprocess_state_dict_for_uneven_dtensor(state_dict: dict, *, meshes: Sequence[DeviceMesh] = ()) -> dict:
+def preprocess_state_dict_for_uneven_dtensor(state_dict: dict, *, meshes: Sequence[DeviceMesh] = (),
+                                             cache: Optional[dict] = None) -> dict:
     """Attach chunk layouts to every DTensor of a (nested) state dict, for DCP save or load.
 
     Collective over the DTensors' meshes: one batched exchange per mesh axis for the whole state
     dict. Call it on the state dict you pass to ``torch.distributed.checkpoint.save`` and on the one
     you pass to ``load`` (fresh DTensors of any, possibly different, uneven layout). Modifies the
     DTensors in place and returns ``state_dict``. See :func:`compute_chunk_layouts` for ``meshes``.
+
+    ``cache``: a dict kept by the caller between calls (e.g. a checkpoint saver's): when every rank's DTensors
+    have the keys, shapes, placements, meshes, dtypes and local shapes of its previous call, the layouts of that
+    call are reused — one all-reduce of a flag over the default group instead of the exchange.
 
     Raises: :class:`StateDictMismatchError` on every rank if ranks of a mesh hold different DTensor
     keys, shapes, placements or dtypes; :class:`UnevenDTensorError` if local shards do not tile.
@@ -166,9 +171,31 @@ def preprocess_state_dict_for_uneven_dtensor(state_dict: dict, *, meshes: Sequen
             key += "'"
         seen.add(key)
         named.append((key, get_unflattened_state_dict(state_dict, chain)))
-    layouts = compute_chunk_layouts(named, meshes=meshes)
+    layouts = None
+    if cache is not None:
+        signature = [(key, tuple(dt.shape), tuple(dt.placements), id(dt.device_mesh), dt.dtype,
+                      tuple(dtensor_local(dt).shape)) for key, dt in named]
+        device = named[0][1].device_mesh.device_type if named else "cpu"
+        if _everywhere(cache.get("signature") == signature, device):
+            layouts = cache["layouts"]
+    if layouts is None:
+        layouts = compute_chunk_layouts(named, meshes=meshes)
+        if cache is not None:
+            cache.update(signature=signature, layouts=layouts)
     for key, dt in named:
         if key in layouts:
             attach_chunk_layout(dt, layouts[key])
     return state_dict
 
+
+def _everywhere(flag: bool, device_type: str = "cpu") -> bool:
+    """``flag`` on every rank of the default group (one all-reduce of a tensor on ``device_type``, the meshes'
+    device; ``flag`` itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
