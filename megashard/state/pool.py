@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,18 +31,22 @@ _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
 
 
-def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str) -> tuple[dist.ProcessGroup, bool]:
+def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str, *,
+                 pg_options: Any = None, options_key: tuple | None = None) -> tuple[dist.ProcessGroup, bool]:
     """The pooled group for ``ranks`` (created by its members only on first use, ``backend`` None = the default
-    group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in."""
+    group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in.
+    ``pg_options`` (e.g. ``ProcessGroupNCCL.Options``) go to ``new_group``; ``options_key`` is their hashable form
+    (groups with different options are different communicators)."""
     world = dist.group.WORLD
     if _POOL_WORLD[0] is not world:  # a new default group: the old communicators died with the old one
         _POOL.clear()
         _POOL_WORLD[0] = world
-    key = (ranks, timeout.total_seconds(), backend)
+    key = (ranks, timeout.total_seconds(), backend, options_key)
     pg = _POOL.get(key)
     if pg is not None:
         return pg, False
-    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc)
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, pg_options=pg_options,
+                        use_local_synchronization=True, group_desc=desc)
     _POOL[key] = pg
     if not _RELEASE_AT_EXIT[0]:
         atexit.register(_release_at_exit)  # before interpreter shutdown, whatever the script does
