@@ -119,13 +119,23 @@ def parse_nccl_config(path: str | None, high_priority_stream_groups: Any = None)
 
 
 def nccl_spec(config: "ParallelConfig") -> dict[str, dict[str, Any]]:
-    """``{megashard group name: options}`` of ``config`` (read once per file and group list; {} without options).
+    """``{megashard group name: options}`` of ``config`` (read once per file version and group list; {} without
+    options).
     The hierarchical cp levels appear as ``hcp``."""
-    key = (config.nccl_communicator_config_path, tuple(config.high_priority_stream_groups or ()) or None)
+    path = config.nccl_communicator_config_path
+    groups = tuple(config.high_priority_stream_groups or ()) or None
+    if path is None and groups is None:
+        return {}
+    try:  # the file's identity and version: an edited file is read again
+        st = os.stat(path) if isinstance(path, str) else None
+        version = (st.st_mtime_ns, st.st_size) if st else None
+    except OSError:
+        version = None
+    key = (path, groups, version)
     spec = _CACHE.get(key)
     if spec is None:
         spec = {}
-        for name, opts in parse_nccl_config(*key).items():
+        for name, opts in parse_nccl_config(path, groups).items():
             for ours in NCCL_GROUP_NAMES[name]:
                 spec[ours] = opts
         _CACHE[key] = spec

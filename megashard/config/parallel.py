@@ -185,7 +185,8 @@ class ParallelConfig:
         if hcp is not None:
             if (not isinstance(hcp, (list, tuple)) or not hcp
                     or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in hcp)):
-                raise ConfigError(f"hierarchical_context_parallel_sizes={hcp!r} must be a non-empty list of positive "
+                shown = list(hcp) if isinstance(hcp, tuple) else hcp
+                raise ConfigError(f"hierarchical_context_parallel_sizes={shown!r} must be a non-empty list of positive "
                                   "integers whose product is cp (e.g. [2, 2] with cp=4), or null")
             if self.cp != -1:
                 prod = 1

@@ -310,13 +310,14 @@ class ParallelState:
             expt_device_mesh=self._view("expert_fsdp"),
         )
 
-    def pg_collection(self) -> Any:
-        """Megatron's ``ProcessGroupCollection`` of this rank's groups (a real
-        ``megatron.core.process_groups_config.ProcessGroupCollection`` when megatron-core is importable, else
-        megashard's stand-in with the same field names): :mod:`megashard.state.pg_collection`."""
+    def pg_collection(self, megatron: bool | None = None) -> Any:
+        """Megatron's ``ProcessGroupCollection`` of this rank's groups: a real
+        ``megatron.core.process_groups_config.ProcessGroupCollection`` when megatron-core is importable (``megatron``
+        None) or required (True: MissingExtraError without it), megashard's stand-in with the same field names
+        otherwise or with ``megatron=False`` (:mod:`megashard.state.pg_collection`)."""
         from megashard.state.pg_collection import pg_collection
 
-        return pg_collection(self)
+        return pg_collection(self, megatron)
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:

@@ -72,14 +72,22 @@ def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
     return out
 
 
-def pg_collection(state: "ParallelState") -> Any:
-    """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable, else megashard's."""
-    groups = pg_collection_groups(state)
-    try:
-        import dataclasses
+def pg_collection(state: "ParallelState", megatron: bool | None = None) -> Any:
+    """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable (``megatron`` None)
+    or required (True), megashard's stand-in otherwise or with ``megatron=False``."""
+    import dataclasses
 
+    groups = pg_collection_groups(state)
+    if megatron is False:
+        return ProcessGroupCollection(**groups)
+    try:
         from megatron.core.process_groups_config import ProcessGroupCollection as MegatronPGC
-    except Exception:  # megatron-core absent (or failing to import on this machine): the stand-in
+    except Exception as e:  # megatron-core absent (or failing to import on this machine): the stand-in
+        if megatron:
+            from megashard.errors import MissingExtraError
+
+            raise MissingExtraError(f"pg_collection(megatron=True) needs megatron-core (pip install megatron-core): "
+                                    f"{type(e).__name__}: {e}") from None
         return ProcessGroupCollection(**groups)
     known = {f.name for f in dataclasses.fields(MegatronPGC)}
     return MegatronPGC(**{k: v for k, v in groups.items() if k in known})
