@@ -106,19 +106,31 @@ class ParallelState:
     # ------------------------------------------------------------------ construction
     def _create_groups(self) -> None:
         by_ranks: dict[tuple, dist.ProcessGroup] = {}
-        created = 0
         # NCCL options per group name (Megatron's communicator config), applied on nccl only.
         spec = nccl_spec(self.config) if dist.get_backend() == "nccl" else {}
         rank = self.global_rank
-        for name in self.layout.names():
-            if name in EDGE_GROUPS and not self.layout.is_member(name, rank):
-                continue  # only the embedding stages are in an embedding group (as in Megatron)
+        # Every rank first creates its groups of the names all ranks have (the same number of new communicators on
+        # every rank of a layout), then the gloo twins, then the pipeline-edge groups (embedding stages only).
+        created = self._create_named([n for n in self.layout.names() if n not in EDGE_GROUPS], by_ranks, spec)
+        if self._wants_gloo_twins():
+            created += self._create_gloo_twins()
+        edge = self._create_named([n for n in EDGE_GROUPS if self.layout.is_member(n, rank)], by_ranks, spec)
+        created += edge + self._balance_group_count(edge)
+        #: communicators this rank created for this state (0 when re-using pooled ones)
+        self.groups_created = created
+        #: distinct communicators this state uses (gloo twins not counted)
+        self.groups_used = len(by_ranks)
+
+    def _create_named(self, names: list[str], by_ranks: dict[tuple, dist.ProcessGroup],
+                      spec: Mapping[str, Any]) -> int:
+        created = 0
+        for name in names:
             opts = spec.get("hcp" if name in self.layout.hcp_names else name)
             if opts is None and self.layout.size(name) == self.world_size:
                 # The default group already spans the world (and listing W ranks would cost O(W)).
                 self._groups[name] = by_ranks[("world",)] = dist.group.WORLD
                 continue
-            ranks = tuple(self.layout.group_of(name, rank))
+            ranks = tuple(self.layout.group_of(name, self.global_rank))
             key = (ranks, options_key(opts))  # one communicator per rank set (and distinct NCCL options)
             pg = by_ranks.get(key)
             if pg is None:
@@ -128,12 +140,25 @@ class ParallelState:
                 created += new
                 by_ranks[key] = pg
             self._groups[name] = pg
-        if self._wants_gloo_twins():
-            created += self._create_gloo_twins()
-        #: communicators this rank created for this state (0 when re-using pooled ones)
-        self.groups_created = created
-        #: distinct communicators this state uses (gloo twins not counted)
-        self.groups_used = len(by_ranks)
+        return created
+
+    def _balance_group_count(self, mine: int) -> int:
+        """Pad with unused one-rank groups up to the largest number of edge groups any rank created; returns how many.
+
+        torch names a members-only group by a hash of its ranks and of the number of groups the process holds, so
+        the members of every later group must hold equally many: after the embedding stages created their groups,
+        the other ranks add never-used one-rank groups (one collective on the default group finds the count; on nccl
+        a group that runs no collective initialises no communicator)."""
+        if dist.get_backend() == "fake" or self.world_size == 1:
+            return 0
+        import torch
+
+        from megashard.state.agreement import _device
+        from megashard.state.pool import placeholder_groups
+
+        t = torch.tensor([mine], dtype=torch.int64, device=_device(None))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return placeholder_groups(self.global_rank, int(t.item()) - mine, self._timeout)
 
     def _wants_gloo_twins(self) -> bool:
         # On gloo a group is its own twin; a `fake` simulation creates no communicator at all.

@@ -29,6 +29,7 @@ __all__ = ["pooled_group", "pooled_group_count", "release_process_groups"]
 _POOL: dict[tuple, dist.ProcessGroup] = {}
 _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
+_PLACEHOLDERS: list = [0]  # placeholder groups created so far (their pool keys)
 
 
 def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str, *,
@@ -52,6 +53,17 @@ def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None
         atexit.register(_release_at_exit)  # before interpreter shutdown, whatever the script does
         _RELEASE_AT_EXIT[0] = True
     return pg, True
+
+
+def placeholder_groups(rank: int, n: int, timeout: timedelta) -> int:
+    """Create ``n`` never-used one-rank groups of ``rank`` (kept in the pool, released with it) so that this process
+    holds as many groups as its peers (see ParallelState._balance_group_count); returns ``n``."""
+    for _ in range(n):
+        _PLACEHOLDERS[0] += 1
+        key = (("placeholder", _PLACEHOLDERS[0]), timeout.total_seconds(), None, None)
+        _POOL[key] = dist.new_group([rank], timeout=timeout, use_local_synchronization=True,
+                                    group_desc="megashard:placeholder")
+    return max(n, 0)
 
 
 def pooled_group_count() -> int:
