@@ -174,12 +174,16 @@ def megatron_groups(world: int, **kw) -> dict[str, list[list[int]]]:
     return out
 
 
-def communicators_of_rank(world: int, rank: int, **kw) -> tuple[int, int]:
-    """``(create_group calls holding rank, distinct rank sets among them)`` of Megatron-LM for ``rank``
-    (gloo groups included when ``gloo``; the default group not counted)."""
-    calls, sets = 0, set()
+def communicators_of_rank(world: int, rank: int, **kw) -> dict[str, int]:
+    """What Megatron-LM creates on ``rank``: ``calls`` (every ``create_group`` call whose ranks hold it — each one a
+    communicator: Megatron never de-duplicates), split into ``default`` (nccl on GPUs) and ``gloo``; and ``sets``, the
+    distinct (rank set, backend) pairs among them (the default group not counted)."""
+    out = {"calls": 0, "default": 0, "gloo": 0}
+    sets = set()
     for _, ranks, backend in create_group_calls(world, **kw):
         if rank in ranks:
-            calls += 1
+            out["calls"] += 1
+            out[backend] += 1
             sets.add((tuple(sorted(ranks)), backend))
-    return calls, len(sets)
+    out["sets"] = len(sets)
+    return out

@@ -188,10 +188,14 @@ def test_megatron_communicator_count_of_the_reference():
     """The reference counts what Megatron creates on a rank: every create_group call holding it (no de-duplication)."""
     # 8 ranks, tp=2, pp=2, gloo twins: gtp, dp_cp (+gloo), dp (+gloo), cp, mp, tp, pp, embd, pos_embd, tp_dp_cp,
     # tp_dp, tp_cp, expt_gtp, ep, expt_tp, tp_ep, tp_ep_pp, tp_ep_pp (egtp), expt_dp (+gloo), intra_dist_opt = 23.
-    calls, distinct = communicators_of_rank(8, 0, tp=2, pp=2)
-    assert calls == 23
-    # distinct (rank set, backend): [0] ([0] for gtp, cp, pos_embd, expt_gtp, ep), [0,2] (dp, dp_cp, tp_dp_cp?...)
-    assert distinct < calls
+    n = communicators_of_rank(8, 0, tp=2, pp=2)
+    assert (n["calls"], n["default"], n["gloo"]) == (23, 20, 3)
+    # Distinct (rank set, backend) among them: [0] (gtp, cp, pos_embd, expt_gtp), [0, 2] (dp, dp_cp, tp_dp?),
+    # the dp groups' gloo twins, [0, 1] (tp, tp_cp), [0, 1, 4, 5] (mp, tp_ep_pp x2), [0, 4] (pp, embd) ...
+    lay = RankLayout(ParallelConfig(tp=2, pp=2, expt_tp=2), 8)
+    sets = {tuple(lay.group_of(n, 0)) for n in lay.names() if lay.is_member(n, 0)} - {tuple(range(8))}
+    twins = {(tuple(lay.group_of(n, 0)), "gloo") for n in ("dp", "dp_cp", "expt_dp")}
+    assert n["sets"] == len(sets) + len(twins) + 1  # + Megatron's whole-world intra_dist_opt group
 
 
 # ---------------------------------------------------------------------- thousands of ranks, fake backend
@@ -289,3 +293,21 @@ def test_facade_getters_on_fake_ranks(fake_world, case):
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+def test_nccl_options_objects():
+    """Each checked entry becomes a ProcessGroupNCCL.Options (as Megatron's get_nccl_options); a torch without NCCL
+    (this CPU build) gets a clear error instead, and the parsed spec is what test_bad_options_are_one_line_errors
+    checks."""
+    from megashard.config.nccl import nccl_options
+
+    opts = {"cga_cluster_size": 2, "max_ctas": 16, "min_ctas": 1, "net_name": "IB", "is_high_priority_stream": True}
+    if getattr(dist, "ProcessGroupNCCL", None) is None:
+        with pytest.raises(ConfigError, match=r"need a torch build with NCCL"):
+            nccl_options(opts)
+        pytest.skip("this torch build has no NCCL: ProcessGroupNCCL.Options cannot be built here")
+    o = nccl_options(opts)
+    assert o.is_high_priority_stream
+    assert (o.config.cga_cluster_size, o.config.max_ctas, o.config.min_ctas) == (2, 16, 1)
+    assert o.config.net_name == "IB"
+    assert not nccl_options({}).is_high_priority_stream
