@@ -210,6 +210,8 @@ FAKE_CASES = {
                                expert_model_parallel_size=4, expert_tensor_parallel_size=2,
                                num_distributed_optimizer_instances=2, context_parallel_size=2,
                                hierarchical_context_parallel_sizes=[2]), (0, 777, 4095)),
+    "pp1-tp4-cp2": (dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1, context_parallel_size=2,
+                         expert_model_parallel_size=2, expert_tensor_parallel_size=1), (0, 4095)),
 }
 
 
@@ -271,8 +273,11 @@ def test_facade_getters_on_fake_ranks(fake_world, case):
             assert R(ps.get_amax_reduction_group(with_context_parallel=True)) == mine("tp_dp_cp", rank)
             assert R(ps.get_amax_reduction_group(tp_only_amax_red=True)) == mine("tp", rank)
             assert R(ps.get_amax_reduction_group(True, True)) == mine("tp_cp", rank)
-            hcp = ps.get_hierarchical_context_parallel_groups()
-            assert [R(g) for g in hcp] == [mine(f"hcp{k}", rank) for k in range(len(hcp))]
+            hcp = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+            if kw.get("hierarchical_context_parallel_sizes"):
+                assert [R(g) for g in hcp] == [mine(f"hcp{k}", rank) for k in range(len(hcp))]
+            else:
+                assert hcp is None
             assert R(ps.get_intra_distributed_optimizer_instance_group()) == sorted(mine("intra_dist_opt", rank))
             part = dict(with_context_parallel=True, partial_data_parallel=True)
             assert R(ps.get_data_parallel_group(**part)) == mine("intra_dp_cp", rank)

@@ -37,7 +37,7 @@ from megashard._compat import mesh_release_groups
 from megashard.config import ParallelConfig
 from megashard.config.nccl import nccl_options, nccl_spec, options_key
 from megashard.errors import ConfigError, StateError, did_you_mean
-from megashard.layout import EDGE_GROUPS, RankLayout
+from megashard.layout import EDGE_GROUPS, GROUP_ALIASES, RankLayout
 from megashard.state.devices import current_device
 from megashard.state.layout_locals import LayoutLocals
 from megashard.state.meshes import VIEW_AXES, build_view
@@ -107,7 +107,7 @@ class ParallelState:
     def _create_groups(self) -> None:
         by_ranks: dict[tuple, dist.ProcessGroup] = {}
         # NCCL options per group name (Megatron's communicator config), applied on nccl only.
-        spec = nccl_spec(self.config) if dist.get_backend() == "nccl" else {}
+        spec = nccl_spec(self.config) if "nccl" in str(dist.get_backend()) else {}
         rank = self.global_rank
         # Every rank first creates its groups of the names all ranks have (the same number of new communicators on
         # every rank of a layout), then the gloo twins, then the pipeline-edge groups (embedding stages only).
@@ -125,7 +125,8 @@ class ParallelState:
                       spec: Mapping[str, Any]) -> int:
         created = 0
         for name in names:
-            opts = spec.get("hcp" if name in self.layout.hcp_names else name)
+            # (an alias such as intra_dp_cp takes the options of the group it names: one communicator)
+            opts = spec.get("hcp" if name in self.layout.hcp_names else GROUP_ALIASES.get(name, name))
             if opts is None and self.layout.size(name) == self.world_size:
                 # The default group already spans the world (and listing W ranks would cost O(W)).
                 self._groups[name] = by_ranks[("world",)] = dist.group.WORLD
