@@ -84,8 +84,10 @@ class RankLayout:
                 expert.append(("ep", sizes.ep))
             elif tok == "dp":
                 dense += [("dp_shard", sizes.dp_shard), ("dp_outer", sizes.dp_outer)]
-                # The expert replica axis: expt_dp = expt_dp_shard (faster) · expt_dp_outer (= dp_outer).
-                expert += [("expt_dp_shard", sizes.expt_dp // sizes.dp_outer), ("expt_dp_outer", sizes.dp_outer)]
+                # The expert replica axis: expt_dp = expt_dp_shard (faster) · expt_dp_outer (= dp_outer). (Sizes that
+                # do not split — refused by resolve(), but possible in a layout record saved before — keep one.)
+                outer = sizes.dp_outer if sizes.expt_dp % sizes.dp_outer == 0 else 1
+                expert += [("expt_dp_shard", sizes.expt_dp // outer), ("expt_dp_outer", outer)]
             elif tok == "pp":
                 dense.append(("pp", sizes.pp)); expert.append(("pp", sizes.pp))
         self._dense = RankGrid(dense)
