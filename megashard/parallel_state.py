@@ -52,18 +52,19 @@ def initialize_model_parallel(
     replicas (megashard's ``dp_outer``; the expert layout gets the same replica axis). Options megashard does not
     implement raise ConfigError naming them (docs/parallel_state.md lists them).
     """
+    # Megatron options megashard does not implement: (value, supported?) — refused before any group exists.
     unsupported = {
-        "pipeline_model_parallel_comm_backend": pipeline_model_parallel_comm_backend not in (None, "nccl"),
-        "use_sharp": bool(use_sharp),
-        "sharp_enabled_group": sharp_enabled_group is not None,
-        "hybrid_context_parallel": bool(hybrid_context_parallel),
-        "gtp_remat_size": gtp_remat_size != 1,
-        "expert_gtp_remat_size": expert_gtp_remat_size != 1,
-        "rank_offset": rank_offset != 0,
+        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend,
+                                                 pipeline_model_parallel_comm_backend in (None, "nccl")),
+        "use_sharp": (use_sharp, not use_sharp),
+        "sharp_enabled_group": (sharp_enabled_group, sharp_enabled_group is None),
+        "hybrid_context_parallel": (hybrid_context_parallel, not hybrid_context_parallel),
+        "gtp_remat_size": (gtp_remat_size, gtp_remat_size == 1),
+        "expert_gtp_remat_size": (expert_gtp_remat_size, expert_gtp_remat_size == 1),
+        "rank_offset": (rank_offset, rank_offset == 0),
     }
-    for name, bad in unsupported.items():
-        if bad:
-            value = locals()[name]
+    for name, (value, ok) in unsupported.items():
+        if not ok:
             raise ConfigError(f"initialize_model_parallel: {name}={value!r} is not supported by megashard (only the "
                               f"default); see docs/parallel_state.md for what is")
     if not dist.is_initialized():
