@@ -265,13 +265,12 @@ class RankLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` on every axis, dense and expert (pp appears once; ``expt_dp`` is the coordinate in
-        the whole expert dp group, and with HSDP also ``expt_dp_shard``/``expt_dp_outer``)."""
+        the whole expert dp group, ``expt_dp_shard``/``expt_dp_outer`` those on the expert replica split)."""
         self._check_rank(rank)
         c = self._dense.coords(rank)
         e = self._expert.coords(rank)
-        c.update(expt_tp=e["expt_tp"], ep=e["ep"], expt_dp=self._expert.rank_in(EXPERT_GROUPS["expt_dp"], rank))
-        if self.sizes.dp_outer > 1:  # the expert replica axis
-            c.update(expt_dp_shard=e["expt_dp_shard"], expt_dp_outer=e["expt_dp_outer"])
+        c.update(expt_tp=e["expt_tp"], ep=e["ep"], expt_dp=self._expert.rank_in(EXPERT_GROUPS["expt_dp"], rank),
+                 expt_dp_shard=e["expt_dp_shard"], expt_dp_outer=e["expt_dp_outer"])  # (the expert replica axis)
         return c
 
     # ------------------------------------------------------------------ meshes
