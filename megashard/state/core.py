@@ -148,8 +148,7 @@ class ParallelState:
 
         torch names a members-only group by a hash of its ranks and of the number of groups the process holds, so
         the members of every later group must hold equally many: after the embedding stages created their groups,
-        the other ranks add never-used one-rank groups (one collective on the default group finds the count; on nccl
-        a group that runs no collective initialises no communicator)."""
+        the other ranks add never-used one-rank gloo groups (one collective on the default group finds the count)."""
         if dist.get_backend() == "fake" or self.world_size == 1:
             return 0
         import torch

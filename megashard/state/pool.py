@@ -61,8 +61,9 @@ def placeholder_groups(rank: int, n: int, timeout: timedelta) -> int:
     for _ in range(n):
         _PLACEHOLDERS[0] += 1
         key = (("placeholder", _PLACEHOLDERS[0]), timeout.total_seconds(), None, None)
-        _POOL[key] = dist.new_group([rank], timeout=timeout, use_local_synchronization=True,
-                                    group_desc="megashard:placeholder")
+        # gloo where available: a one-rank gloo group holds no GPU memory even where NCCL initialises eagerly
+        _POOL[key] = dist.new_group([rank], timeout=timeout, backend="gloo" if dist.is_gloo_available() else None,
+                                    use_local_synchronization=True, group_desc="megashard:placeholder")
     return max(n, 0)
 
 
