@@ -18,6 +18,8 @@ setup(
         "data": ["tokenizers>=0.15"],
         "hf": ["safetensors>=0.4"],
         "hf-test": ["safetensors>=0.4", "transformers>=4.45"],
+        # not installed by tools/setup.sh: with it, tests also build Megatron's GPTModel on state.pg_collection()
+        "megatron-test": ["megatron-core>=0.16"],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
 )

@@ -10,7 +10,15 @@ leak from one measurement into the next.
 * baseline: ``init_device_mesh("cpu", (pp, dp, cp, tp))`` + ``_flatten`` of ``dp_cp``, ``dp_shard_cp``
   (same axes as dp_cp without HSDP) and ``tp_cp`` — fewer meshes than megashard builds (no expert mesh).
 
-Layouts: ``tp8 cp2 pp4 ep8`` and ``all sizes 1`` (everything data-parallel).
+Layouts: ``tp8 cp2 pp4 ep8``, ``all sizes 1`` (everything data-parallel) and ``megatron groups``: tp8 cp4 pp4 ep8
+with two distributed-optimizer instances (dp_outer 2) and hierarchical cp [2, 2] — every group of Megatron-LM 0.19's
+``initialize_model_parallel`` enabled (embedding, position embedding, amax, hierarchical cp, intra/inter instance
+groups, expert replica axis, gtp_remat).
+
+Communicators per rank against Megatron-LM: counted from the plain re-statement of its ``initialize_model_parallel``
+(tests/_megatron_ref.py; every ``create_group`` call whose ranks hold the rank is one communicator, gloo groups
+included as Megatron creates them by default) next to megashard's on a GPU job (one communicator per distinct
+non-world rank set, plus gloo twins of the data-parallel groups).
 
 Per measurement: wall and CPU time of the initialisation only (imports and ``init_process_group`` are
 excluded; best of ``--repeats`` fresh processes), peak Python heap (tracemalloc, in a separate fresh process
@@ -40,6 +48,7 @@ QUICK_WORLDS = (1024, 4096)
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp8 cp2 pp4 ep8": {"tp": 8, "cp": 2, "pp": 4, "ep": 8},
     "all sizes 1": {},
+    "megatron groups": {"tp": 8, "cp": 4, "pp": 4, "ep": 8, "dp_outer": 2, "hierarchical_context_parallel_sizes": [2, 2]},
 }
 IMPLS = ("megashard", "init_device_mesh")
 #: ANCHORS.md, rank 0 on this kind of machine: world -> layout -> (Megatron-LM s, init_device_mesh s).
@@ -167,20 +176,44 @@ def _spawn(impl: str, layout: str, world: int, rank: int, *, trace: bool = False
 
 
 def floor_groups(layout: str, world: int, rank: int) -> int:
-    """Distinct non-world rank sets among the named groups of ``rank``: what it must create at least."""
+    """Distinct non-world rank sets among the named groups of ``rank`` (every name of the layout it is a member
+    of): what it must create at least."""
     from megashard.config import ParallelConfig
-    from megashard.layout import GROUP_NAMES, RankLayout
+    from megashard.layout import RankLayout
 
     lay = RankLayout(ParallelConfig(**LAYOUTS[layout]), world)
     sets = {}
-    for name in GROUP_NAMES:
-        if lay.size(name) < world:  # a world-sized group is the default group, never created
+    for name in lay.names():
+        if lay.size(name) < world and lay.is_member(name, rank):  # a world-sized group is the default group
             sets[tuple(lay.group_of(name, rank))] = name
     return len(sets)
 
 
+def communicators(layout: str, world: int, rank: int) -> dict[str, Any]:
+    """Communicators ``rank`` holds on a GPU job with gloo twins (the default): megashard (one per distinct non-world
+    rank set + the gloo twins of the data-parallel groups, one per distinct set) against Megatron-LM 0.19 (every
+    ``create_group`` call holding the rank, from the re-statement in tests/_megatron_ref.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megashard.config import ParallelConfig
+    from megashard.layout import RankLayout
+    from megashard.state.core import GLOO_TWIN_GROUPS
+    from tests._megatron_ref import communicators_of_rank
+
+    cfg = ParallelConfig(**LAYOUTS[layout])
+    lay = RankLayout(cfg, world)
+    twins = len({tuple(lay.group_of(n, rank)) for n in GLOO_TWIN_GROUPS})
+    s = lay.sizes
+    t0 = time.perf_counter()
+    meg = communicators_of_rank(world, rank, tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, etp=s.expt_tp, n_inst=s.dp_outer,
+                                hcp=list(s.hierarchical_cp) if s.hierarchical_cp else None, order="-".join(s.order))
+    return {"megashard_nccl": floor_groups(layout, world, rank), "megashard_gloo": twins,
+            "megatron_nccl": meg["default"], "megatron_gloo": meg["gloo"], "megatron_distinct_sets": meg["sets"],
+            "megatron_count_s": time.perf_counter() - t0}
+
+
 def measure(world: int, layout: str, rank: int, repeats: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"world": world, "layout": layout, "rank": rank, "floor_groups": floor_groups(layout, world, rank)}
+    row: dict[str, Any] = {"world": world, "layout": layout, "rank": rank, "floor_groups": floor_groups(layout, world, rank),
+                           "communicators": communicators(layout, world, rank)}
     runs: dict[str, list[dict]] = {i: [] for i in IMPLS}
     for _ in range(repeats):  # interleaved, so a burst of load on the shared machine hits both
         for impl in IMPLS:
@@ -204,7 +237,7 @@ def measure(world: int, layout: str, rank: int, repeats: int) -> dict[str, Any]:
     ms, dm = row["megashard"], row["init_device_mesh"]
     row["speedup"] = dm["wall_s"] / ms["wall_s"]
     row["speedup_cpu"] = dm["cpu_s"] / ms["cpu_s"]
-    row["anchor_s"] = dict(zip(("megatron", "init_device_mesh"), ANCHOR_SECONDS[world][layout]))
+    row["anchor_s"] = dict(zip(("megatron", "init_device_mesh"), ANCHOR_SECONDS.get(world, {}).get(layout, ())))
     return row
 
 
@@ -227,6 +260,12 @@ def table(rows: list[dict]) -> str:
             f"{dm['tracemalloc_peak_mb']:.1f} / {dm['rss_delta_mb']:.1f} | {_groups(ms):,} | {_groups(dm):,} | "
             f"{r['floor_groups']} |"
         )
+    lines += ["", "| world | layout | communicators on the rank: megashard (nccl + gloo twins) | Megatron-LM 0.19 "
+              "(nccl + gloo) | Megatron-LM distinct rank sets |", "|" + "---|" * 5]
+    for r in rows:
+        c = r["communicators"]
+        lines.append(f"| {r['world']:,} | {r['layout']} | {c['megashard_nccl']} + {c['megashard_gloo']} | "
+                     f"{c['megatron_nccl']} + {c['megatron_gloo']} | {c['megatron_distinct_sets']} |")
     return "\n".join(lines)
 
 

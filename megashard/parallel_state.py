@@ -10,13 +10,14 @@ to its layout, the virtual-pipeline rank and the memory buffer to its per-layout
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from megashard import state as _state
 from megashard.config import ParallelConfig
 from megashard.errors import ConfigError, StateError
+from megashard.layout import RankLayout
 
 
 def initialize_model_parallel(
@@ -27,27 +28,57 @@ def initialize_model_parallel(
     use_sharp: bool = False,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[list[int]] = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     nccl_communicator_config_path: Optional[str] = None,
     distributed_timeout_minutes: int = 30,
     order: str = "tp-cp-ep-dp-pp",
-    **unsupported,
+    get_embedding_ranks: Optional[Callable[[list[int]], list[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[list[int]], list[int]]] = None,
+    create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: Optional[list[str]] = None,
+    sharp_enabled_group: Optional[str] = None,
+    rank_offset: int = 0,
+    local_world_size: Optional[int] = None,
 ) -> None:
-    """Create the parallel groups as Megatron-LM does (torch.distributed must be initialised).
+    """Create the parallel groups as Megatron-LM 0.19 does (torch.distributed must be initialised).
 
-    As in Megatron, ``expert_tensor_parallel_size=None`` means "same as tensor_model_parallel_size", and
-    ``num_distributed_optimizer_instances`` splits data parallelism into replicas (megashard's ``dp_outer``).
+    Megatron-LM's keyword arguments, in its order. As in Megatron, ``expert_tensor_parallel_size=None`` means "same
+    as tensor_model_parallel_size", and ``num_distributed_optimizer_instances`` splits data parallelism into
+    replicas (megashard's ``dp_outer``; the expert layout gets the same replica axis). Options megashard does not
+    implement raise ConfigError naming them (docs/parallel_state.md lists them).
     """
-    ignored = {k: v for k, v in unsupported.items() if v not in (None, False, True)}
-    if ignored:
-        raise ConfigError(f"initialize_model_parallel: unsupported argument(s) {sorted(ignored)}")
-    if hierarchical_context_parallel_sizes:
-        raise ConfigError("hierarchical_context_parallel_sizes is not supported by megashard; use cp only")
+    # Megatron options megashard does not implement: (value, supported?) — refused before any group exists.
+    unsupported = {
+        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend,
+                                                 pipeline_model_parallel_comm_backend in (None, "nccl")),
+        "use_sharp": (use_sharp, not use_sharp),
+        "sharp_enabled_group": (sharp_enabled_group, sharp_enabled_group is None),
+        "hybrid_context_parallel": (hybrid_context_parallel, not hybrid_context_parallel),
+        "gtp_remat_size": (gtp_remat_size, gtp_remat_size == 1),
+        "expert_gtp_remat_size": (expert_gtp_remat_size, expert_gtp_remat_size == 1),
+        "rank_offset": (rank_offset, rank_offset == 0),
+    }
+    for name, (value, ok) in unsupported.items():
+        if not ok:
+            raise ConfigError(f"initialize_model_parallel: {name}={value!r} is not supported by megashard (only the "
+                              f"default); see docs/parallel_state.md for what is")
     if not dist.is_initialized():
         raise StateError("initialize_model_parallel needs torch.distributed.init_process_group() first")
+    if local_world_size is not None and local_world_size != dist.get_world_size():
+        raise ConfigError(f"initialize_model_parallel: local_world_size={local_world_size} differs from the world size "
+                          f"{dist.get_world_size()}; megashard lays out the whole default group (leave it None)")
+    for name, fn in (("get_embedding_ranks", get_embedding_ranks),
+                     ("get_position_embedding_ranks", get_position_embedding_ranks)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"initialize_model_parallel: {name}={fn!r} must be a callable (pipeline ranks -> ranks)")
     backend = dist.get_backend()
+    # gtp_remat has size 1 here: its token adds nothing to the order (Megatron injects it after tp anyway).
+    order = "-".join(t for t in order.split("-") if t != "gtp_remat")
     cfg = ParallelConfig.from_dict(
         dict(
             tp=tensor_model_parallel_size,
@@ -60,9 +91,16 @@ def initialize_model_parallel(
             order=order,
             timeout=float(distributed_timeout_minutes) * 60.0,
             backend=backend if backend in ("gloo", "nccl", "fake") else "auto",
+            create_gloo_process_groups=create_gloo_process_groups,
+            hierarchical_context_parallel_sizes=(list(hierarchical_context_parallel_sizes)
+                                                 if hierarchical_context_parallel_sizes else None),
+            nccl_communicator_config_path=nccl_communicator_config_path,
+            high_priority_stream_groups=list(high_priority_stream_groups) if high_priority_stream_groups else None,
         )
     )
-    st = _state.initialize(cfg)
+    layout = RankLayout(cfg.resolve(dist.get_world_size()), embedding_ranks=get_embedding_ranks,
+                        position_embedding_ranks=get_position_embedding_ranks)
+    st = _state.initialize(cfg, layout=layout)
     st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
 
 
@@ -102,11 +140,14 @@ def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if partial_data_parallel:
         if not with_context_parallel:
             raise ConfigError("partial_data_parallel=True requires with_context_parallel=True (as in Megatron-LM)")
-        return "dp_shard_cp"
+        return "intra_dp_cp"
     return "dp_cp" if with_context_parallel else "dp"
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                            partial_data_parallel: bool = False):
+    """The data-parallel group (``with_context_parallel``: dp·cp; ``partial_data_parallel``: the intra
+    distributed-optimizer-instance part of dp·cp). ``with_gtp_remat`` changes nothing: gtp_remat has size 1."""
     return _st().group(_dp_name(with_context_parallel, partial_data_parallel))
 
 
@@ -116,13 +157,137 @@ def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_da
     return _st().gloo_group(_dp_name(with_context_parallel, partial_data_parallel))
 
 
-def get_inter_distributed_optimizer_instance_group():
-    """Groups of the same shard across optimizer instances (megashard's dp_outer)."""
-    return _st().group("dp_outer")
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """The group of the same shard across distributed-optimizer instances (megashard's ``expt_dp_outer``, which
+    equals the dense ``dp_outer`` groups). As in Megatron it exists only with several instances."""
+    if _state.is_initialized() and _st().sizes.dp_outer > 1:
+        return _st().group("inter_dist_opt")
+    if check_initialized:
+        raise StateError("the inter distributed-optimizer instance group exists only with "
+                         "num_distributed_optimizer_instances > 1 (megashard's dp_outer > 1)")
+    return None
 
 
-def get_intra_distributed_optimizer_instance_group():
-    return _st().group("dp_shard_cp")
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """Every rank of one distributed-optimizer instance: Megatron builds it from consecutive tp-ep-pp expert groups
+    (``intra_partial_expert_data_parallel_size`` of them), so with one instance it is the whole world."""
+    return _group("intra_dist_opt", check_initialized)
+
+
+def get_embedding_group(check_initialized: bool = True):
+    """The group of the first and last pipeline stage (or ``get_embedding_ranks``'s choice); StateError on other
+    stages (None with ``check_initialized=False``), as Megatron's assertion."""
+    return _edge_group("embd", check_initialized)
+
+
+def get_position_embedding_group(check_initialized: bool = True):
+    """The group of the first pipeline stage (or ``get_position_embedding_ranks``'s choice)."""
+    return _edge_group("pos_embd", check_initialized)
+
+
+def _edge_group(name: str, check_initialized: bool):
+    if not check_initialized and (not _state.is_initialized() or not _st().in_group(name)):
+        return None
+    return _st().group(name)
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    """Whether this rank holds the embedding; unless ``ignore_virtual``, only on the virtual stage that does (the
+    first stage's first virtual stage, the last stage's last)."""
+    if not _state.is_initialized():
+        return False
+    st = _st()
+    if not st.in_group("embd"):
+        return False
+    if ignore_virtual:
+        return True
+    ranks, rank = st.ranks("embd"), st.global_rank
+    if rank == ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank == ranks[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    """Whether this rank holds the position embedding."""
+    return _state.is_initialized() and _st().in_group("pos_embd")
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False):
+    """The FP8 amax reduction group: tp·dp (·cp with ``with_context_parallel``), or with ``tp_only_amax_red`` tp
+    (·cp)."""
+    if tp_only_amax_red:
+        return _st().group("tp_cp" if with_context_parallel else "tp")
+    return _st().group("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True):
+    """The hierarchical cp groups of this rank, fastest level first (``hierarchical_context_parallel_sizes``)."""
+    if _state.is_initialized() and _st().layout.hcp_names:
+        return _st().hcp_groups()
+    if check_initialized:
+        raise StateError("no hierarchical context-parallel groups: initialise with hierarchical_context_parallel_sizes")
+    return None
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: Optional[int] = None):
+    """Megatron's hybrid dp·cp groups: only the whole dp·cp group (hybrid_context_parallel is not supported)."""
+    if group_size is None or group_size == get_data_parallel_world_size(with_context_parallel=True):
+        return _st().group("dp_cp")
+    raise ConfigError(f"get_hybrid_data_context_parallel_groups(group_size={group_size}): hybrid_context_parallel is "
+                      "not supported by megashard; only the whole dp·cp group is available")
+
+
+def get_gtp_weight_remat_group(check_initialized: bool = True):
+    """Megatron's generalized-TP weight-rematerialisation group: this rank alone (gtp_remat_size is 1 here)."""
+    return _group("gtp_remat", check_initialized)
+
+
+def get_gtp_weight_remat_world_size() -> int:
+    return _st().size("gtp_remat") if _state.is_initialized() else 0
+
+
+def get_gtp_weight_remat_rank() -> int:
+    return _st().rank_in("gtp_remat") if _state.is_initialized() else 0
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    return _st().ranks("gtp_remat")
+
+
+def get_expert_gtp_weight_remat_group(check_initialized: bool = True):
+    """The expert counterpart of :func:`get_gtp_weight_remat_group` (this rank alone)."""
+    return _group("expt_gtp_remat", check_initialized)
+
+
+def get_expert_gtp_weight_remat_world_size() -> int:
+    return _st().size("expt_gtp_remat") if _state.is_initialized() else 0
+
+
+def get_expert_gtp_weight_remat_rank() -> int:
+    return _st().rank_in("expt_gtp_remat") if _state.is_initialized() else 0
+
+
+def get_expert_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[int]:
+    return _st().ranks("expt_gtp_remat")
+
+
+def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: Any = None, nccl_comm_cfgs: Any = None):
+    """Megatron's all-gather twins for AG/RS overlap: ``(dp_cp_ag, expt_dp_ag)``, communicators with the ranks of
+    dp·cp (and, with ``for_expert_parallelism`` and ep > 1, of expt_dp) but separate from them. Members only."""
+    from datetime import timedelta
+
+    from megashard.state.pool import pooled_group
+
+    st = _st()
+    t = timeout if timeout is not None else timedelta(seconds=st.config.timeout)
+
+    def twin(name: str):
+        return pooled_group(tuple(st.ranks(name)), t, None, f"megashard:{name}:ag", options_key=("all_gather",))[0]
+
+    expt = twin("expt_dp") if for_expert_parallelism and st.size("ep") > 1 else None
+    return twin("dp_cp"), expt
 
 
 def get_context_parallel_group(check_initialized: bool = True):
@@ -133,7 +298,9 @@ def get_model_parallel_group(check_initialized: bool = True):
     return _group("mp", check_initialized)
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False):
+    if not check_initialized and not _state.is_initialized():
+        return None
     return _st().group("tp_dp_cp" if with_context_parallel else "tp_dp")
 
 
@@ -149,15 +316,23 @@ def get_expert_tensor_parallel_group(check_initialized: bool = True):
     return _group("expt_tp", check_initialized)
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
-    return _group("expt_dp", check_initialized)
+def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
+                                   partial_expert_data_parallel: bool = False):
+    """The expert data-parallel group (``partial_expert_data_parallel``: its intra-instance part, expt_dp_shard)."""
+    return _group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", check_initialized)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
+    """The expert data-parallel group on gloo (see :func:`get_data_parallel_group_gloo`)."""
+    return _st().gloo_group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
 
 
 def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
     return _group("tp_ep", check_initialized)
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True, with_egtp_remat: bool = False):
+    """The expert tp·ep·pp group (``with_egtp_remat`` gives the same group: expert gtp_remat has size 1)."""
     return _group("tp_ep_pp", check_initialized)
 
 
@@ -178,11 +353,13 @@ def get_pipeline_model_parallel_rank() -> int:
     return _st().rank_in("pp")
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                                 partial_data_parallel: bool = False) -> int:
     return _st().size(_dp_name(with_context_parallel, partial_data_parallel))
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                           partial_data_parallel: bool = False) -> int:
     return _st().rank_in(_dp_name(with_context_parallel, partial_data_parallel))
 
 
@@ -238,12 +415,24 @@ def get_expert_tensor_parallel_rank() -> int:
     return _st().rank_in("expt_tp")
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    return _st().size("expt_dp")
+def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+    return _st().size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    return _st().rank_in("expt_dp")
+def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+    return _st().rank_in("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of ep-rank 0 in this rank's expert-parallel group."""
+    return _st().ranks("ep")[0]
+
+
+def get_all_ranks() -> str:
+    """This rank's tp, gtp_remat, dp, cp, pp and ep ranks joined by ``_`` (Megatron's ``get_all_ranks``)."""
+    return "_".join(str(r) for r in (get_tensor_model_parallel_rank(), get_gtp_weight_remat_rank(),
+                                     get_data_parallel_rank(), get_context_parallel_rank(),
+                                     get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank()))
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:

@@ -82,8 +82,11 @@ def test_groups_and_meshes_equal_layout(fake_rank, layout, rank):
 
     # Every named group: exact members (in group-rank order), this rank's index, size.
     by_set: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for name in GROUP_NAMES:
+    for name in lay.names():
         want = lay.group_of(name, rank)
+        if name in ("embd", "pos_embd") and rank not in want:  # off the embedding stages: no group
+            assert not st.in_group(name) and st.ranks(name) == want, name
+            continue
         pg = st.group(name)
         assert dist.get_process_group_ranks(pg) == want, name
         assert dist.get_rank(pg) == lay.rank_in(name, rank) == want.index(rank), name
@@ -95,7 +98,10 @@ def test_groups_and_meshes_equal_layout(fake_rank, layout, rank):
 
     # Exactly one communicator per distinct non-world rank set of this rank, nothing more.
     expected = len(set(by_set) - {world})
-    assert expected == {"tp8-cp2-pp4-ep8": 10, "hsdp": 15}[layout]
+    # tp8…: 10 axis sets + the embedding group (first and last stage); hsdp: 15 + intra_dist_opt (all but the
+    # replica axis) + [rank] (pos_embd, gtp_remat); the other new names share sets (expt_dp_shard = dp_shard,
+    # expt_dp_outer = inter_dist_opt = dp_outer, embd = pp with pp=2).
+    assert expected == {"tp8-cp2-pp4-ep8": 11, "hsdp": 17}[layout]
     assert st.groups_created == expected
     assert counts["new_group"] == expected
     assert counts["backend"] == expected

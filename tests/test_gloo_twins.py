@@ -27,28 +27,37 @@ def check_twins_created_at_initialisation(rank, world_size):
 
     import megashard
     import megashard.parallel_state as ps
-    from megashard.layout import GROUP_NAMES
+    from megashard.errors import StateError
     from megashard.state import pooled_group_count
+    from megashard.state.core import GLOO_TWIN_GROUPS
 
     assert dist.get_backend() == "cpu:gloo"
     before = pooled_group_count()
-    st = megashard.initialize(megashard.ParallelConfig(tp=2, timeout=30))
+    # dp_outer=2: two optimizer instances, so the intra-instance (partial) groups differ from the whole ones.
+    st = megashard.initialize(megashard.ParallelConfig(tp=2, dp_outer=2, timeout=30))
     try:
         assert st.config.create_gloo_process_groups  # the default
         after_init = pooled_group_count()
-        # One communicator per distinct rank set (the world is the default group), one gloo twin per rank set
-        # (the world's too): here tp [r, r^1], dp [r%2, r%2+2], [r] (size-1 axes) and their twins plus the world's.
-        sets = {tuple(st.ranks(n)) for n in GROUP_NAMES}
-        assert len(sets) == 4 and after_init - before == st.groups_created == 3 + 4
-        for name in GROUP_NAMES:
+        # Communicators: one per distinct rank set (the world is the default group): tp [r, r^1] (= mp, tp_cp,
+        # intra_dist_opt, expt_dp_shard), dp [r%2, r%2+2] (= dp_outer, dp_cp, hsdp, expt_dp_outer), [r] (size-1 axes,
+        # embd and pos_embd with pp=1). Gloo twins: Megatron's data-parallel set only — dp, dp_cp, hsdp ([r%2, r%2+2]),
+        # dp_shard_cp = intra_dp_cp ([r]), expt_dp (the world), expt_dp_shard = intra_expt_dp ([2(r//2), 2(r//2)+1]).
+        assert after_init - before == st.groups_created == 3 + 4
+        for name in GLOO_TWIN_GROUPS:
             twin = st.gloo_group(name)
             assert dist.get_backend(twin) == "gloo" and twin is not st.group(name), name
             assert _members(twin) == st.ranks(name), name
+            # A twin is a working gloo group with exactly the members of its group: a collective on each.
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t, group=twin)
+            assert t.item() == sum(r + 1 for r in st.ranks(name)), name
+        assert st.ranks("intra_dp_cp") == [rank] and st.ranks("intra_expt_dp") == [rank - rank % 2, rank - rank % 2 + 1]
+        assert _members(ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True)) == [rank]
+        assert _members(ps.get_expert_data_parallel_group_gloo()) == [0, 1, 2, 3]
+        assert _members(ps.get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True)) == st.ranks("expt_dp_shard")
         assert pooled_group_count() == after_init  # looking twins up created nothing
-        # A twin is a working gloo group with exactly the members of its group.
-        t = torch.tensor([float(rank + 1)])
-        dist.all_reduce(t, group=st.gloo_group("tp"))
-        assert t.item() == sum(r + 1 for r in st.ranks("tp"))
+        with pytest.raises(StateError, match=r"no gloo twin of group 'tp'.*data-parallel groups"):
+            st.gloo_group("tp")  # as Megatron: twins of the data-parallel groups only
         # Only rank 0 asks for a twin here: a lookup, so it returns at once and nobody else has to join.
         if rank == 0:
             t0 = time.monotonic()
@@ -73,8 +82,8 @@ def check_twins_not_requested(rank, world_size):
         assert st.groups_created == 0 and pooled_group_count() == before  # tp and dp re-used from the pool, no twins
         with pytest.raises(StateError, match=r"no gloo twin of group 'dp'.*create_gloo_process_groups is false"):
             ps.get_data_parallel_group_gloo()
-        with pytest.raises(StateError, match="no gloo twin of group 'tp'"):
-            st.gloo_group("tp")
+        with pytest.raises(StateError, match=r"no gloo twin of group 'expt_dp'.*create_gloo_process_groups is false"):
+            st.gloo_group("expt_dp")
         dist.barrier()
     finally:
         megashard.destroy()

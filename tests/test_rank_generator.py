@@ -154,9 +154,10 @@ def test_layout_rank_generator_equals_layout_groups(world, kw):
     dense, expert = lay.rank_generator(), lay.rank_generator(expert=True)
     for tok in ("tp", "cp", "dp", "pp", "tp-cp", "dp-cp", "tp-dp", "tp-dp-cp", "tp-pp", "tp-cp-dp-pp"):
         assert dense.get_ranks(tok) == lay.groups(tok), tok
-    axis = {"tp": "expt_tp", "ep": "ep", "dp": "expt_dp", "pp": "pp"}
+    # the expert grid splits expt_dp into its replica axes (expt_dp_shard inner, expt_dp_outer outer)
+    axis = {"tp": ["expt_tp"], "ep": ["ep"], "dp": ["expt_dp_shard", "expt_dp_outer"], "pp": ["pp"]}
     for tok in ("tp", "ep", "dp", "pp", "tp-ep", "tp-ep-pp", "tp-dp", "ep-dp", "tp-ep-dp-pp"):
-        want = lay.grid(expert=True).groups([axis[t] for t in tok.split("-")])
+        want = lay.grid(expert=True).groups([a for t in tok.split("-") for a in axis[t]])
         assert expert.get_ranks(tok) == want, tok
     for name in ("ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp"):
         tok = {"expt_tp": "tp", "expt_dp": "dp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp"}.get(name, name)

@@ -108,7 +108,7 @@ def _check_facade(tp, pp, cp, ep, etp, order="tp-cp-ep-dp-pp", instances=1):
             "mp": (ps.get_model_parallel_group(), ps.get_model_parallel_rank(), ps.get_model_parallel_world_size()),
             "tp_dp": (ps.get_tensor_and_data_parallel_group(), ps.get_tensor_and_data_parallel_rank(),
                       ps.get_tensor_and_data_parallel_world_size()),
-            "tp_dp_cp": (ps.get_tensor_and_data_parallel_group(True), ps.get_tensor_and_data_parallel_rank(True),
+            "tp_dp_cp": (ps.get_tensor_and_data_parallel_group(with_context_parallel=True), ps.get_tensor_and_data_parallel_rank(True),
                          ps.get_tensor_and_data_parallel_world_size(True)),
             "tp_cp": (ps.get_tensor_and_context_parallel_group(), ps.get_tensor_and_context_parallel_rank(),
                       ps.get_tensor_and_context_parallel_world_size()),
@@ -214,7 +214,14 @@ def check_fsdp_index(rank, world_size):
                 assert R(idx.get_dp_group()) == lay.group_of("dp_shard_cp", rank)
                 assert idx.get_outer_fsdp_group() is None
             assert idx.get_submesh("tp").mesh.tolist() == lay.group_of("tp", rank)
-            assert R(idx.get_fsdp_group(is_expert_parallel=True)) == lay.group_of("expt_dp", rank)
+            # Experts shard inside a replica (expt_dp_shard) and replicate across replicas (expt_dp_outer).
+            assert R(idx.get_fsdp_group(is_expert_parallel=True)) == lay.group_of("expt_dp_shard", rank)
+            assert R(idx.get_dp_group(is_expert_parallel=True)) == lay.group_of(
+                "expt_dp" if st.sizes.dp_outer > 1 else "expt_dp_shard", rank)
+            if st.sizes.dp_outer > 1:
+                assert R(idx.get_outer_fsdp_group(is_expert_parallel=True)) == lay.group_of("expt_dp_outer", rank)
+                assert idx.get_logical_hybrid_fsdp_rank(True) == (st.rank_in("expt_dp_shard") * st.size("expt_dp_outer")
+                                                                  + st.rank_in("expt_dp_outer"))
             assert idx.get_submesh("tp", is_expert_parallel=True).mesh.tolist() == lay.group_of("expt_tp", rank)
             assert idx.get_root_mesh() is st.fsdp_mesh
         finally:

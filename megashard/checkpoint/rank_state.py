@@ -68,6 +68,8 @@ def _rank_layout(layout: dict):
 
     sizes = dict(layout["sizes"])
     sizes["order"] = tuple(str(sizes["order"]).split("-"))
+    if sizes.get("hierarchical_cp") is not None:
+        sizes["hierarchical_cp"] = tuple(sizes["hierarchical_cp"])
     return RankLayout(ResolvedSizes(**sizes))
 
 

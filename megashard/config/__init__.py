@@ -6,7 +6,8 @@
 Modules: ``parallel`` (:class:`ParallelConfig`: fields, world-independent checks, the ``parallel:`` section of a
 job YAML), ``sizes`` (:class:`ResolvedSizes` and the arithmetic that fills every ``-1`` for a world size),
 ``yamlfile`` (reading YAML files and ``key=value`` overrides), ``modules`` (:class:`ModulesConfig`: several layouts on
-disjoint rank ranges of one job). Pure Python: nothing here imports torch.
+disjoint rank ranges of one job), ``nccl`` (Megatron's NCCL communicator config, read and checked with the config).
+Pure Python: nothing here imports torch (``nccl.nccl_options`` does, when called).
 """
 from megashard.config.modules import ModuleConfig, ModulesConfig
 from megashard.config.parallel import BACKENDS, DEVICES, MAX_TIMEOUT, ParallelConfig, parallel_section

@@ -72,10 +72,25 @@ class ParallelConfig:
     """With a backend other than gloo (nccl): also create a gloo twin of every group at initialisation, for CPU-side
     work (``ParallelState.gloo_group``, Megatron's ``get_data_parallel_group_gloo``). On gloo the twin is the group
     itself, and ``fake`` simulations create none."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """Megatron's hierarchical context parallelism: sizes of the cp levels, fastest first, whose product is cp
+    (e.g. ``[2, 2]`` with cp=4). Level k's groups are ``hcp<k>`` (Megatron's ``get_hierarchical_context_parallel_groups``).
+    ``null`` = not hierarchical."""
+    nccl_communicator_config_path: str | None = None
+    """Megatron's NCCL communicator config: a YAML file mapping Megatron group names (dp, dp_cp, tp, pp, ep, ep_dp …)
+    to ``cga_cluster_size``, ``max_ctas``, ``min_ctas`` (integers), ``net_name`` (IB or socket) and
+    ``is_high_priority_stream``; applied as ``ProcessGroupNCCL.Options`` when the backend is nccl (see
+    docs/parallel_state.md). Read and checked when the config is built."""
+    high_priority_stream_groups: list[str] | None = None
+    """Megatron group names whose NCCL communicators use high-priority streams (e.g. ``[dp_cp, ep_dp]``)."""
 
     def __post_init__(self) -> None:
         # Invalid values fail where they are written, and only here: the config is frozen, so resolve() and
-        # ParallelState trust it.
+        # ParallelState trust it. Lists (from YAML) are kept as tuples so that a frozen config stays hashable.
+        for name in ("hierarchical_context_parallel_sizes", "high_priority_stream_groups"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
         self.validate()
 
     # ------------------------------------------------------------------ construction
@@ -98,7 +113,11 @@ class ParallelConfig:
         return cls.from_dict(parallel_section(doc, path))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -162,6 +181,23 @@ class ParallelConfig:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds, at most {MAX_TIMEOUT:.0e}")
         if not isinstance(self.create_gloo_process_groups, bool):
             raise ConfigError(f"create_gloo_process_groups={self.create_gloo_process_groups!r} must be true or false")
+        hcp = self.hierarchical_context_parallel_sizes
+        if hcp is not None:
+            if (not isinstance(hcp, (list, tuple)) or not hcp
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in hcp)):
+                shown = list(hcp) if isinstance(hcp, tuple) else hcp
+                raise ConfigError(f"hierarchical_context_parallel_sizes={shown!r} must be a non-empty list of positive "
+                                  "integers whose product is cp (e.g. [2, 2] with cp=4), or null")
+            if self.cp != -1:
+                prod = 1
+                for v in hcp:
+                    prod *= v
+                if prod != self.cp:
+                    raise ConfigError(f"hierarchical_context_parallel_sizes={list(hcp)} multiply to {prod}, but "
+                                      f"cp={self.cp}; give level sizes whose product is {self.cp}")
+        from megashard.config.nccl import nccl_spec
+
+        nccl_spec(self)  # reads and checks the NCCL communicator config (cached): errors now, not at start-up
 
     def full_order(self) -> list[str]:
         """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule)."""

@@ -70,10 +70,16 @@ class ResolvedSizes:
     expt_dp: int
     vpp: int | None = None
     order: tuple[str, ...] = field(default=("tp", "cp", "ep", "dp", "pp"))
+    hierarchical_cp: tuple[int, ...] | None = None
+    """Sizes of the hierarchical context-parallel levels (product = cp), fastest first; None = not hierarchical."""
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["order"] = "-".join(self.order)
+        if d.get("hierarchical_cp") is None:
+            d.pop("hierarchical_cp", None)  # keep older readers of saved sizes happy
+        else:
+            d["hierarchical_cp"] = list(d["hierarchical_cp"])
         return d
 
 
@@ -190,7 +196,27 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
             f"order='{config.order}' does not end with pp, so the dense and expert pipeline groups differ unless "
             f"expt_dp ({edp}) equals dp ({dp_resolved}); put pp last or choose ep·expt_tp = tp·cp"
         )
+    if edp % dpo:
+        # The expert replica axis: experts shard inside an HSDP replica (expt_dp_outer = dp_outer), as Megatron's
+        # partial distributed optimizer requires (expt_dp divisible by num_distributed_optimizer_instances).
+        raise ConfigError(
+            f"expt_dp={edp} must be divisible by dp_outer={dpo} (experts shard inside an HSDP replica and replicate "
+            f"across the {dpo} replicas); choose ep·expt_tp dividing tp·cp·dp/dp_outer = {stage // dpo} "
+            f"(valid: {fmt_divisors(stage // dpo)})"
+        )
+    hcp = config.hierarchical_context_parallel_sizes
+    if hcp is not None:
+        prod = 1
+        for s in hcp:
+            prod *= s
+        if prod != cp:
+            raise ConfigError(
+                f"hierarchical_context_parallel_sizes={list(hcp)} multiply to {prod}, but cp={cp}; give level sizes "
+                f"whose product is {cp} (fastest level first, e.g. [{cp // 2 if cp % 2 == 0 and cp > 2 else cp}"
+                f"{', 2' if cp % 2 == 0 and cp > 2 else ''}])"
+            )
     return ResolvedSizes(
         world_size=W, tp=tp, cp=cp, pp=pp, dp=dp_resolved, dp_outer=dpo, dp_shard=dps,
         ep=ep, expt_tp=etp, expt_dp=edp, vpp=config.vpp, order=tuple(order),
+        hierarchical_cp=tuple(hcp) if hcp is not None else None,
     )

@@ -14,18 +14,22 @@ from megashard.layout.grid import GroupMembers, RankGrid
 from megashard.layout.groups import (
     DENSE_GROUPS,
     DENSE_MESH_AXES,
+    EDGE_GROUPS,
     EXPERT_GROUPS,
+    EXPERT_HSDP_MESH_AXES,
     EXPERT_MESH_AXES,
+    GROUP_ALIASES,
     GROUP_NAMES,
     NODE_LOCAL_GROUPS,
 )
 from megashard.layout.modules import Link, ModuleLayout, MultiModuleLayout, pair_modules
 from megashard.layout.node_locality import LocalityReport, locality, locality_warning
 from megashard.layout.rank_generator import RankGenerator
-from megashard.layout.rank_layout import RankLayout
+from megashard.layout.rank_layout import RankLayout, default_embedding_ranks, default_position_embedding_ranks
 
 __all__ = [
-    "DENSE_GROUPS", "DENSE_MESH_AXES", "EXPERT_GROUPS", "EXPERT_MESH_AXES", "GROUP_NAMES", "NODE_LOCAL_GROUPS",
-    "GroupMembers", "Link", "LocalityReport", "ModuleLayout", "MultiModuleLayout", "RankGenerator", "RankGrid",
-    "RankLayout", "locality", "locality_warning", "pair_modules",
+    "DENSE_GROUPS", "DENSE_MESH_AXES", "EDGE_GROUPS", "EXPERT_GROUPS", "EXPERT_HSDP_MESH_AXES", "EXPERT_MESH_AXES",
+    "GROUP_ALIASES", "GROUP_NAMES", "NODE_LOCAL_GROUPS", "GroupMembers", "Link", "LocalityReport", "ModuleLayout",
+    "MultiModuleLayout", "RankGenerator", "RankGrid", "RankLayout", "default_embedding_ranks",
+    "default_position_embedding_ranks", "locality", "locality_warning", "pair_modules",
 ]

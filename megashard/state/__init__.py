@@ -12,6 +12,7 @@ Modules, in the order a state is built: ``devices`` (which device and backend; t
 ``layout_locals`` (per-layout RNG tracker, memory buffer, virtual-pipeline rank), ``current`` (the current state
 and the module-level functions); and what runs on a state: ``rng_tracker`` (named RNG streams), ``rng`` (the
 current state's tracker and Megatron's seeding), ``memory`` (scratch buffers), ``index`` (the FSDP/HSDP view),
+``pg_collection`` (Megatron's ``ProcessGroupCollection``),
 ``recompute`` (activation recompute that replays the RNG), ``te`` (optional TransformerEngine).
 """
 from megashard.state.core import ParallelState

@@ -5,13 +5,18 @@ The flow ends here: ``ParallelConfig.resolve(world)`` → ``ResolvedSizes`` → 
 
 A rank creates only the groups it belongs to (``new_group(..., use_local_synchronization=True)``, through the
 communicator pool of :mod:`megashard.state.pool`), each rank set once (``hsdp`` and ``dp_cp`` share a
-communicator), every one with the configured timeout; on a non-gloo backend also their gloo twins, when the config
-asks for them. DeviceMeshes are assembled over those groups (:mod:`megashard.state.meshes`) — never by ``_flatten``.
+communicator), every one with the configured timeout and, on nccl, the NCCL options of its name
+(:mod:`megashard.config.nccl`); on a non-gloo backend also gloo twins of the data-parallel groups (Megatron's set),
+when the config asks for them. The names are every name of the layout (:meth:`RankLayout.names`): the axis groups,
+Megatron's aliases, the pipeline-edge groups ``embd``/``pos_embd`` (created by the embedding stages only) and the
+hierarchical cp levels. DeviceMeshes are assembled over those groups (:mod:`megashard.state.meshes`) — never by
+``_flatten``.
 
 Meshes (every axis present, size 1 included):
 
 - ``dense_mesh``  — axes ``(pp, dp_outer, dp_shard, cp, tp)``
 - ``expert_mesh`` — axes ``(pp, expt_dp, ep, expt_tp)``
+- ``expert_hsdp_mesh`` — axes ``(pp, expt_dp_outer, expt_dp_shard, ep, expt_tp)``: the expert replica axis
 - ``fsdp_mesh``   — axes ``(pp, dp_outer, dp_shard_cp, tp)``: the root to slice for FSDP/HSDP + TP,
   so that FSDP2 and TP DTensors share one root mesh.
 - ``mesh(name)``  — a 1-D mesh for any group name (``dp``, ``dp_cp``, ``tp_ep`` …).
@@ -31,8 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megashard._compat import mesh_release_groups
 from megashard.config import ParallelConfig
+from megashard.config.nccl import nccl_options, nccl_spec, options_key
 from megashard.errors import ConfigError, StateError, did_you_mean
-from megashard.layout import GROUP_NAMES, RankLayout
+from megashard.layout import EDGE_GROUPS, GROUP_ALIASES, RankLayout
 from megashard.state.devices import check_devices, current_device
 from megashard.state.layout_locals import LayoutLocals
 from megashard.state.meshes import VIEW_AXES, build_view
@@ -41,7 +47,11 @@ from megashard.state.pool import pooled_group
 if TYPE_CHECKING:
     from megashard.state.index import FSDPDistributedIndex
 
-__all__ = ["ParallelState"]
+__all__ = ["GLOO_TWIN_GROUPS", "ParallelState"]
+
+#: Groups with a gloo twin when ``create_gloo_process_groups`` (Megatron's data-parallel gloo groups: dp, dp·cp,
+#: the intra partial dp·cp, expert dp and intra partial expert dp; aliases share their twins).
+GLOO_TWIN_GROUPS = ("dp", "dp_cp", "hsdp", "dp_shard_cp", "intra_dp_cp", "expt_dp", "expt_dp_shard", "intra_expt_dp")
 
 
 class ParallelState:
@@ -87,6 +97,7 @@ class ParallelState:
         agree_group = None
         if rank_offset is not None:
             agree_group = self._module_group(layout, rank_offset)
+        self._layout_group = agree_group  # None: the default group
         #: first global rank of this layout (0 unless it is one module of a multi-module job)
         self.rank_offset = rank_offset or 0
         # The config was checked when it was built (it is frozen); the sizes are resolved after the ranks agree.
@@ -138,38 +149,72 @@ class ParallelState:
         return tuple(r + off for r in ranks) if off else tuple(ranks)
 
     def _create_groups(self) -> None:
-        by_ranks: dict[tuple[int, ...] | str, dist.ProcessGroup] = {}
-        created = 0
-        for name in GROUP_NAMES:
-            if self.layout.size(name) == dist.get_world_size():
-                # The default group already spans the world (and listing W ranks would cost O(W)).
-                self._groups[name] = by_ranks["world"] = dist.group.WORLD
-                continue
-            ranks = self._global(self.layout.group_of(name, self.layout_rank))
-            pg = by_ranks.get(ranks)
-            if pg is None:
-                # Only members call: no rank waits on groups it is not part of.
-                pg, new = pooled_group(ranks, self._timeout, None, f"megashard:{name}")
-                created += new
-                by_ranks[ranks] = pg
-            self._groups[name] = pg
+        by_ranks: dict[tuple, dist.ProcessGroup] = {}
+        # NCCL options per group name (Megatron's communicator config), applied on nccl only.
+        spec = nccl_spec(self.config) if "nccl" in str(dist.get_backend()) else {}
+        rank = self.layout_rank
+        # Every rank first creates its groups of the names all ranks have (the same number of new communicators on
+        # every rank of a layout), then the gloo twins, then the pipeline-edge groups (embedding stages only).
+        created = self._create_named([n for n in self.layout.names() if n not in EDGE_GROUPS], by_ranks, spec)
         if self._wants_gloo_twins():
             created += self._create_gloo_twins()
+        edge = self._create_named([n for n in EDGE_GROUPS if self.layout.is_member(n, rank)], by_ranks, spec)
+        created += edge + self._balance_group_count(edge)
         #: communicators this rank created for this state (0 when re-using pooled ones)
         self.groups_created = created
         #: distinct communicators this state uses (gloo twins not counted)
         self.groups_used = len(by_ranks)
+
+    def _create_named(self, names: list[str], by_ranks: dict[tuple, dist.ProcessGroup],
+                      spec: Mapping[str, Any]) -> int:
+        created = 0
+        for name in names:
+            # (an alias such as intra_dp_cp takes the options of the group it names: one communicator)
+            opts = spec.get("hcp" if name in self.layout.hcp_names else GROUP_ALIASES.get(name, name))
+            if opts is None and self.layout.size(name) == dist.get_world_size():
+                # The default group already spans the world (and listing W ranks would cost O(W)).
+                self._groups[name] = by_ranks[("world",)] = dist.group.WORLD
+                continue
+            ranks = self._global(self.layout.group_of(name, self.layout_rank))
+            key = (ranks, options_key(opts))  # one communicator per rank set (and distinct NCCL options)
+            pg = by_ranks.get(key)
+            if pg is None:
+                # Only members call: no rank waits on groups it is not part of.
+                pg, new = pooled_group(ranks, self._timeout, None, f"megashard:{name}",
+                                       pg_options=nccl_options(opts) if opts else None, options_key=key[1])
+                created += new
+                by_ranks[key] = pg
+            self._groups[name] = pg
+        return created
+
+    def _balance_group_count(self, mine: int) -> int:
+        """Pad with unused one-rank groups up to the largest number of edge groups any rank created; returns how many.
+
+        torch names a members-only group by a hash of its ranks and of the number of groups the process holds, so
+        the members of every later group must hold equally many: after the embedding stages created their groups,
+        the other ranks add never-used one-rank gloo groups (one collective on the default group finds the count)."""
+        if dist.get_backend() == "fake" or self.world_size == 1:
+            return 0
+        import torch
+
+        from megashard.state.agreement import _device
+        from megashard.state.pool import placeholder_groups
+
+        t = torch.tensor([mine], dtype=torch.int64, device=_device(None))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._layout_group)  # this layout's ranks only
+        return placeholder_groups(self.global_rank, int(t.item()) - mine, self._timeout)
 
     def _wants_gloo_twins(self) -> bool:
         # On gloo a group is its own twin; a `fake` simulation creates no communicator at all.
         return self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
 
     def _create_gloo_twins(self) -> int:
-        """A gloo group with the members of every group, during initialisation (every rank makes the same calls,
-        members only, pooled), so that ``gloo_group`` is a lookup on any code path."""
+        """A gloo group with the members of every data-parallel group (:data:`GLOO_TWIN_GROUPS`), during
+        initialisation (every rank makes the same calls, members only, pooled), so that ``gloo_group`` is a lookup on
+        any code path."""
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         created = 0
-        for name in GROUP_NAMES:
+        for name in GLOO_TWIN_GROUPS:
             ranks = self._global(self.layout.group_of(name, self.layout_rank))
             if ranks not in by_ranks:
                 by_ranks[ranks], new = pooled_group(ranks, self._timeout, "gloo", f"megashard:{name}:gloo")
@@ -196,6 +241,21 @@ class ParallelState:
         return self._view("expert")
 
     @property
+    def expert_hsdp_mesh(self) -> DeviceMesh:
+        """Axes ``(pp, expt_dp_outer, expt_dp_shard, ep, expt_tp)``: the expert mesh with its replica axis
+        (``expt_dp_outer = dp_outer``)."""
+        return self._view("expert_hsdp")
+
+    @property
+    def expert_fully_shard_mesh(self) -> DeviceMesh:
+        """The mesh to hand to ``fully_shard`` for expert parameters: 1-D ``expt_dp_shard`` (FSDP inside a
+        replica), or 2-D ``(expt_dp_outer, expt_dp_shard)`` (HSDP) when ``dp_outer > 1`` — experts shard inside
+        a replica and replicate across replicas, as dense parameters."""
+        if self.sizes.dp_outer > 1:
+            return self.expert_hsdp_mesh["expt_dp_outer", "expt_dp_shard"]
+        return self.expert_hsdp_mesh["expt_dp_shard"]
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
         """Axes ``(pp, dp_outer, dp_shard_cp, tp)``: slice it for FSDP2 + TP so both share one root."""
         return self._view("fsdp")
@@ -220,6 +280,8 @@ class ParallelState:
                 m = self.dense_mesh[name]
             elif name in ("ep", "expt_dp", "expt_tp"):
                 m = self.expert_mesh[name]
+            elif name in ("expt_dp_shard", "expt_dp_outer"):
+                m = self.expert_hsdp_mesh[name]
             else:
                 m = DeviceMesh.from_group(self._groups[name], self.device_type, mesh_dim_names=(name,))
             self._meshes[name] = m
@@ -228,17 +290,36 @@ class ParallelState:
     # ------------------------------------------------------------------ groups
     def _check_name(self, name: str) -> None:
         if name not in self._groups:
-            raise ConfigError(f"unknown group '{name}'{did_you_mean(name, GROUP_NAMES)}; valid: {', '.join(GROUP_NAMES)}")
+            if name in EDGE_GROUPS:
+                return  # a known name this rank is not a member of (group() says so)
+            names = self.layout.names()
+            raise ConfigError(f"unknown group '{name}'{did_you_mean(name, names)}; valid: {', '.join(names)}")
 
     def _check_alive(self) -> None:
         if self._destroyed:
             raise StateError("this ParallelState has been destroyed; create a new one with megashard.initialize()")
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """The process group of ``name`` that this rank belongs to."""
+        """The process group of ``name`` that this rank belongs to (StateError for ``embd``/``pos_embd`` on a stage
+        without the embedding: test with :meth:`in_group`)."""
         self._check_alive()
         self._check_name(name)
-        return self._groups[name]
+        pg = self._groups.get(name)
+        if pg is None:
+            stage = self.layout.rank_in("pp", self.layout_rank)
+            raise StateError(f"rank {self.global_rank} (pipeline stage {stage} of {self.sizes.pp}) is not in the '{name}' "
+                             f"group: its pipeline's is {self.ranks(name)}; test state.in_group('{name}') first")
+        return pg
+
+    def in_group(self, name: str) -> bool:
+        """Whether this rank is in a ``name`` group (False only for ``embd``/``pos_embd`` off the embedding stages)."""
+        self._check_name(name)
+        return name in self._groups
+
+    def hcp_groups(self) -> list[dist.ProcessGroup]:
+        """The hierarchical context-parallel groups of this rank, level 0 (fastest) first (Megatron's
+        ``get_hierarchical_context_parallel_groups``); empty when cp is not hierarchical."""
+        return [self.group(n) for n in self.layout.hcp_names]
 
     def gloo_group(self, name: str) -> dist.ProcessGroup:
         """A gloo group with the members of ``name`` for CPU-side work (a lookup: no collective).
@@ -253,6 +334,8 @@ class ParallelState:
         if twin is None:
             backend = dist.get_backend(pg)
             why = ("a 'fake' simulation creates no communicators" if backend == "fake" else
+                   f"gloo twins exist for the data-parallel groups {', '.join(GLOO_TWIN_GROUPS)} only (as in "
+                   "Megatron-LM)" if name not in GLOO_TWIN_GROUPS else
                    "parallel.create_gloo_process_groups is false; set it to true (ParallelConfig("
                    "create_gloo_process_groups=True)) to create them at initialisation")
             raise StateError(f"no gloo twin of group '{name}' on this {backend} job: {why}")
@@ -269,8 +352,10 @@ class ParallelState:
         return self.layout.rank_in(name, self.layout_rank)
 
     def size(self, name: str) -> int:
-        """Size of the ``name`` groups."""
+        """Size of the ``name`` groups (for ``embd``/``pos_embd``: of this rank's pipeline's)."""
         self._check_name(name)
+        if name in EDGE_GROUPS:
+            return len(self.ranks(name))
         return self.layout.size(name)
 
     def coords(self) -> dict[str, int]:
@@ -289,10 +374,19 @@ class ParallelState:
             dp_outer_dim="dp_outer" if hybrid else None,
             tp_dim="tp",
             hybrid_fsdp_group=self._groups["hsdp"] if hybrid else None,
+            hybrid_fsdp_expt_group=self._groups["expt_dp"] if hybrid else None,
             hsdp_outer_dp_shard=hsdp_outer_dp_shard,
             expt_device_mesh=self._view("expert_fsdp"),
-            hybrid_fsdp_expt_group=self._groups["expt_dp"] if hybrid else None,
         )
+
+    def pg_collection(self, megatron: bool | None = None) -> Any:
+        """Megatron's ``ProcessGroupCollection`` of this rank's groups: a real
+        ``megatron.core.process_groups_config.ProcessGroupCollection`` when megatron-core is importable (``megatron``
+        None) or required (True: MissingExtraError without it), megashard's stand-in with the same field names
+        otherwise or with ``megatron=False`` (:mod:`megashard.state.pg_collection`)."""
+        from megashard.state.pg_collection import pg_collection
+
+        return pg_collection(self, megatron)
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:

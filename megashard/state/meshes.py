@@ -7,8 +7,10 @@ comes from the layout's grid in one permute:
 - ``dense``       — axes ``(pp, dp_outer, dp_shard, cp, tp)``
 - ``expert``      — axes ``(pp, expt_dp, ep, expt_tp)``
 - ``fsdp``        — axes ``(pp, dp_outer, dp_shard_cp, tp)``: the root to slice for FSDP/HSDP + TP
-- ``expert_fsdp`` — axes ``(pp, ep, dp_shard_cp, tp)`` with dp_shard_cp = expt_dp and tp = expt_tp (the names
-  :class:`~megashard.state.index.FSDPDistributedIndex` looks up)
+- ``expert_hsdp`` — axes ``(pp, expt_dp_outer, expt_dp_shard, ep, expt_tp)``: the expert replica axis
+- ``expert_fsdp`` — axes ``(pp, dp_outer, ep, dp_shard_cp, tp)`` with dp_outer = expt_dp_outer,
+  dp_shard_cp = expt_dp_shard and tp = expt_tp (the names :class:`~megashard.state.index.FSDPDistributedIndex`
+  looks up): experts shard inside an HSDP replica and replicate across replicas
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megashard.layout import DENSE_MESH_AXES, EXPERT_MESH_AXES, RankLayout
+from megashard.layout.groups import EXPERT_HSDP_MESH_AXES
 
 __all__ = ["VIEW_AXES", "build_view", "view_rank_tensor"]
 
@@ -27,13 +30,15 @@ VIEW_AXES: dict[str, tuple[str, ...]] = {
     "dense": DENSE_MESH_AXES,
     "expert": EXPERT_MESH_AXES,
     "fsdp": ("pp", "dp_outer", "dp_shard_cp", "tp"),
-    # The expert view that FSDPDistributedIndex expects: FSDP over expt_dp, TP over expt_tp.
-    "expert_fsdp": ("pp", "ep", "expt_dp", "expt_tp"),
+    "expert_hsdp": EXPERT_HSDP_MESH_AXES,
+    # The expert view that FSDPDistributedIndex expects: replicas over expt_dp_outer, FSDP over expt_dp_shard,
+    # TP over expt_tp.
+    "expert_fsdp": ("pp", "expt_dp_outer", "ep", "expt_dp_shard", "expt_tp"),
 }
 # Axis names of each view: the group names, except that the expert FSDP view uses the dense names
-# FSDPDistributedIndex looks up (expt_dp plays dp_shard_cp, expt_tp plays tp).
+# FSDPDistributedIndex looks up (expt_dp_outer plays dp_outer, expt_dp_shard dp_shard_cp, expt_tp tp).
 _VIEW_DIM_NAMES: dict[str, tuple[str, ...]] = {
-    **VIEW_AXES, "expert_fsdp": ("pp", "ep", "dp_shard_cp", "tp"),
+    **VIEW_AXES, "expert_fsdp": ("pp", "dp_outer", "ep", "dp_shard_cp", "tp"),
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -28,29 +29,43 @@ __all__ = ["pooled_group", "pooled_group_count", "release_process_groups"]
 _POOL: dict[tuple, dist.ProcessGroup] = {}
 _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
+_PLACEHOLDERS: list = [0]  # placeholder groups created so far (their pool keys)
 
 
 def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str,
-                 pg_options: object = None) -> tuple[dist.ProcessGroup, bool]:
+                 pg_options: Any = None, *, options_key: tuple | None = None) -> tuple[dist.ProcessGroup, bool]:
     """The pooled group for ``ranks`` (created by its members only on first use, ``backend`` None = the default
     group's); returns ``(group, created_now)``. Only members may call it: no rank waits on groups it is not in.
-    ``pg_options`` (backend options, e.g. ``ProcessGroupNCCL.Options``) are part of the key: the same options
-    object shares the communicator, another one gets its own."""
+    ``pg_options`` (e.g. ``ProcessGroupNCCL.Options``) go to ``new_group``; ``options_key`` is their hashable form
+    (groups with different options are different communicators; without a key the options object itself is the
+    key: the same object shares the communicator, another one gets its own)."""
     world = dist.group.WORLD
     if _POOL_WORLD[0] is not world:  # a new default group: the old communicators died with the old one
         _POOL.clear()
         _POOL_WORLD[0] = world
-    key = (ranks, timeout.total_seconds(), backend) + ((pg_options,) if pg_options is not None else ())
+    key = (ranks, timeout.total_seconds(), backend, options_key if options_key is not None else pg_options)
     pg = _POOL.get(key)
     if pg is not None:
         return pg, False
-    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc,
-                        pg_options=pg_options)
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, pg_options=pg_options,
+                        use_local_synchronization=True, group_desc=desc)
     _POOL[key] = pg
     if not _RELEASE_AT_EXIT[0]:
         atexit.register(_release_at_exit)  # before interpreter shutdown, whatever the script does
         _RELEASE_AT_EXIT[0] = True
     return pg, True
+
+
+def placeholder_groups(rank: int, n: int, timeout: timedelta) -> int:
+    """Create ``n`` never-used one-rank groups of ``rank`` (kept in the pool, released with it) so that this process
+    holds as many groups as its peers (see ParallelState._balance_group_count); returns ``n``."""
+    for _ in range(n):
+        _PLACEHOLDERS[0] += 1
+        key = (("placeholder", _PLACEHOLDERS[0]), timeout.total_seconds(), None, None)
+        # gloo where available: a one-rank gloo group holds no GPU memory even where NCCL initialises eagerly
+        _POOL[key] = dist.new_group([rank], timeout=timeout, backend="gloo" if dist.is_gloo_available() else None,
+                                    use_local_synchronization=True, group_desc="megashard:placeholder")
+    return max(n, 0)
 
 
 def pooled_group_count() -> int:

@@ -58,11 +58,18 @@ class ModelGroups:
 
     @classmethod
     def from_state(cls, state: ParallelState) -> "ModelGroups":
-        """Groups of a :class:`megashard.state.ParallelState` (axes of size 1 become ``None``)."""
-        def g(name: str) -> Optional[dist.ProcessGroup]:
-            return state.group(name) if state.size(name) > 1 else None
+        """Groups of a :class:`megashard.state.ParallelState`, taken as Megatron modules take theirs: through its
+        ``pg_collection()`` (axes of size 1 become ``None``)."""
+        return cls.from_pg_collection(state.pg_collection(megatron=False))  # no megatron-core import in the job
 
-        return cls(tp=g("tp"), cp=g("cp"), ep=g("ep"), expt_tp=g("expt_tp"))
+    @classmethod
+    def from_pg_collection(cls, pgs: Any) -> "ModelGroups":
+        """Groups of a Megatron ``ProcessGroupCollection`` (``pgs.tp``, ``pgs.cp``, ``pgs.ep``,
+        ``pgs.expt_tp``; size 1 -> ``None``)."""
+        def g(pg: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+            return pg if pg is not None and pg.size() > 1 else None
+
+        return cls(tp=g(pgs.tp), cp=g(pgs.cp), ep=g(pgs.ep), expt_tp=g(pgs.expt_tp))
 
 
 def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:

@@ -1,0 +1,93 @@
+"""Megatron-LM's ``ProcessGroupCollection`` over a :class:`~megashard.state.ParallelState`'s groups.
+
+Megatron model code takes its groups explicitly (``TransformerLayer(..., pg_collection=...)``);
+``state.pg_collection()`` hands it megashard's communicators under Megatron's field names, with Megatron's
+semantics for fields a rank has no group for (``None``: ``embd``/``pos_embd`` off the embedding stages, ``hcp``
+without hierarchical cp, ``inter_dist_opt`` with one optimizer instance, the all-gather twins ``dp_cp_ag`` /
+``expt_dp_ag``, which Megatron also leaves unset). When megatron-core is importable the result is a real
+``megatron.core.process_groups_config.ProcessGroupCollection`` (fields that version lacks are left out);
+otherwise :class:`ProcessGroupCollection`, a stand-in with the same field names.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megashard.state.core import ParallelState
+
+__all__ = ["PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
+
+#: Megatron-LM 0.19's ProcessGroupCollection fields -> megashard group name (None: not set, as in Megatron's
+#: ``use_mpu_process_groups``; "hcp": the list of hierarchical cp groups).
+PG_FIELDS: dict[str, str | None] = {
+    "tp": "tp", "pp": "pp", "mp": "mp", "embd": "embd", "pos_embd": "pos_embd", "cp": "cp", "tp_cp": "tp_cp",
+    "hcp": "hcp", "ep": "ep", "expt_tp": "expt_tp", "tp_ep": "tp_ep", "tp_ep_pp": "tp_ep_pp",
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp", "tp_dp_cp": "tp_dp_cp", "dp": "dp", "dp_cp": "dp_cp",
+    "dp_cp_gtp_remat": "dp_cp", "dp_cp_ag": None, "gtp_remat": "gtp_remat", "expt_gtp_remat": "expt_gtp_remat",
+    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp", "expt_dp_ag": None, "intra_dp_cp": "intra_dp_cp",
+    "intra_expt_dp": "intra_expt_dp", "inter_dist_opt": "inter_dist_opt", "intra_dist_opt": "intra_dist_opt",
+}
+
+
+class ProcessGroupCollection:
+    """Megatron's ``ProcessGroupCollection`` field names without megatron-core: ``pgs.tp``, ``pgs.dp_cp`` …;
+    a declared field that was not set reads as None (as Megatron's); an unknown keyword raises ValueError."""
+
+    def __init__(self, **kwargs: Any):
+        for key, value in kwargs.items():
+            if key not in PG_FIELDS:
+                raise ValueError(f"Unknown attribute: {key}")
+            setattr(self, key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in PG_FIELDS:
+            return None
+        raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
+
+    def __repr__(self) -> str:
+        parts = []
+        for name in PG_FIELDS:
+            pg = self.__dict__.get(name)
+            if isinstance(pg, list):
+                parts.append(f"{name}({[g.size() for g in pg]})")
+            elif pg is not None:
+                parts.append(f"{name}({pg.size()})")
+        return f"ProcessGroupCollection({', '.join(parts) or 'empty'})"
+
+
+def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
+    """``{field: process group (or list, or None)}`` for every Megatron field, from ``state``."""
+    out: dict[str, Any] = {}
+    for field, name in PG_FIELDS.items():
+        if name is None:
+            out[field] = None
+        elif name == "hcp":
+            out[field] = state.hcp_groups() or None
+        elif name == "inter_dist_opt" and state.sizes.dp_outer == 1:
+            out[field] = None  # Megatron creates the inter-instance group only with several instances
+        elif not state.in_group(name):
+            out[field] = None
+        else:
+            out[field] = state.group(name)
+    return out
+
+
+def pg_collection(state: "ParallelState", megatron: bool | None = None) -> Any:
+    """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable (``megatron`` None)
+    or required (True), megashard's stand-in otherwise or with ``megatron=False``."""
+    import dataclasses
+
+    groups = pg_collection_groups(state)
+    if megatron is False:
+        return ProcessGroupCollection(**groups)
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection as MegatronPGC
+    except Exception as e:  # megatron-core absent (or failing to import on this machine): the stand-in
+        if megatron:
+            from megashard.errors import MissingExtraError
+
+            raise MissingExtraError(f"pg_collection(megatron=True) needs megatron-core (pip install megatron-core): "
+                                    f"{type(e).__name__}: {e}") from None
+        return ProcessGroupCollection(**groups)
+    known = {f.name for f in dataclasses.fields(MegatronPGC)}
+    return MegatronPGC(**{k: v for k, v in groups.items() if k in known})
