@@ -99,10 +99,9 @@ def check_hsdp_ep2(rank, world_size):
         shapes["axis"], shapes["shard"] = expert_shard_axis(state), state.size(expert_shard_axis(state))
 
     _run("hsdp-ep2", MOE + ["parallel.dp_outer=2", "parallel.dp_shard=2", "parallel.ep=2"], on_end=on_end)
-    # 4 experts over ep=2: 2 per rank, chunked over the shard axis only (2 ranks without the replica axis, 1 with).
-    assert shapes["w1"][0] == 2 // shapes["shard"], shapes
-    if shapes["axis"] == "expt_dp_shard":
-        assert shapes["shard"] == 1, shapes  # expt_dp_outer = dp_outer = 2 replicas of expt_dp = 2
+    # 4 experts over ep=2: 2 per rank; expt_dp = 2 is expt_dp_outer = dp_outer = 2 replicas of expt_dp_shard = 1,
+    # so each rank holds its 2 experts whole (sharding across the replicas would leave 1).
+    assert shapes["axis"] == "expt_dp_shard" and shapes["shard"] == 1 and shapes["w1"][0] == 2, shapes
     dist.barrier()
 
 

@@ -3,7 +3,8 @@
 Three spawns share every run (a 4-block tiny GPT, 10 steps, same seed and global batch, dropout 0, clipping
 at 0.5 so that a wrong gradient norm changes the loss): one process (the references), two gloo processes
 (pp=2 with 1f1b, gpipe, interleaved_1f1b at vpp=2, zbv, tied embeddings; a stage that never answers) and
-four (pp=2·tp=2, pp=2·dp_shard=2, llama pp=2·tp=2 with tied embeddings, the gradients of every parameter after
+four (pp=2·tp=2, pp=2·dp_shard=2, llama pp=2·tp=2 with tied embeddings, pp=4 with tied embeddings over the embd
+group, the gradients of every parameter after
 one step, and the checkpoint reshard matrix: saved at tp=2·pp=2, loaded at pp=1, pp=4, tp=4), then one process
 again (the tp=2·pp=2 checkpoint loaded by a single process). Checks:
 
@@ -245,6 +246,11 @@ def check_llama_pp2_tp2_f64(rank, world_size):
     _run("llama-pp2_tp2-f64", PP2 + F64 + LLAMA + ["parallel.tp=2", "model.recompute=true"])
 
 
+def check_pp4_tied_f64(rank, world_size):
+    # Stages 0 and 3 on ranks 0 and 3: their tied copies meet over the state's embd group [0, 3].
+    _run("pp4-tied-f64", ["parallel.pp=4", "train.microbatches=4"] + F64 + TIED)
+
+
 def check_pp2_tp2_grads(rank, world_size):
     _grads("pp2_tp2", PP2 + F64 + ["parallel.tp=2"])
 
@@ -268,7 +274,8 @@ def check_resume_one_process(rank, world_size):
 ONE = [check_single_f64, check_single_f32, check_single_tied_f64, check_single_llama_f64, check_single_grads]
 TWO = [check_pp2_f64, check_pp2_f32, check_pp2_gpipe_f64, check_pp2_vpp2_f64, check_pp2_zbv_f64, check_pp2_tied_f64,
        check_a_silent_stage_is_named]
-FOUR = [check_pp2_tp2_f64, check_pp2_dp2_f64, check_pp2_dp2_f32, check_llama_pp2_tp2_f64, check_pp2_tp2_grads,
+FOUR = [check_pp2_tp2_f64, check_pp2_dp2_f64, check_pp2_dp2_f32, check_llama_pp2_tp2_f64, check_pp4_tied_f64,
+        check_pp2_tp2_grads,
         check_resume_pp1, check_resume_pp4, check_resume_tp4]
 AFTER = [check_resume_one_process]
 
@@ -324,6 +331,7 @@ PARITY = {  # run -> (check, reference run, relative tolerance)
     "pp2-vpp2-f64": ("check_pp2_vpp2_f64", "single-f64", 1e-10),
     "pp2-zbv-f64": ("check_pp2_zbv_f64", "single-f64", 1e-10),
     "pp2-tied-f64": ("check_pp2_tied_f64", "single-tied-f64", 1e-10),
+    "pp4-tied-f64": ("check_pp4_tied_f64", "single-tied-f64", 1e-10),
     "pp2_tp2-f64": ("check_pp2_tp2_f64", "single-f64", 1e-10),
     "pp2_dp2-f64": ("check_pp2_dp2_f64", "single-f64", 1e-10),
     "pp2_dp2-f32": ("check_pp2_dp2_f32", "single-f32", 1e-4),

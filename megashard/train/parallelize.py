@@ -75,20 +75,15 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
 
 
 def expert_shard_axis(state: ParallelState) -> str:
-    """The axis expert parameters are FSDP-sharded over: ``expt_dp_shard`` (inside an HSDP replica) on a state with
-    the expert replica axis, else ``expt_dp``."""
-    try:
-        state.size("expt_dp_shard")
-        return "expt_dp_shard"
-    except Exception:  # noqa: BLE001 - a state without the expert replica axis
-        return "expt_dp"
+    """The axis expert parameters are FSDP-sharded over: ``expt_dp_shard`` (inside an HSDP replica; = ``expt_dp``
+    without HSDP)."""
+    return "expt_dp_shard"
 
 
 def expert_fully_shard_mesh(state: ParallelState) -> Any:
-    """The mesh of ``fully_shard`` for experts: ``state.expert_fully_shard_mesh`` (FSDP inside a replica, HSDP across
-    replicas when dp_outer > 1) on a state with the expert replica axis, else the 1-D ``expt_dp`` mesh."""
-    mesh = getattr(state, "expert_fully_shard_mesh", None)
-    return mesh if mesh is not None else state.mesh("expt_dp")
+    """The mesh of ``fully_shard`` for experts: ``state.expert_fully_shard_mesh`` (FSDP over ``expt_dp_shard``,
+    HSDP across the ``expt_dp_outer`` replicas when dp_outer > 1)."""
+    return state.expert_fully_shard_mesh
 
 
 def finish_expert_grads(model: nn.Module, state: ParallelState) -> None:
@@ -125,9 +120,9 @@ def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Plac
     """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
 
     Dense parameters live on ``state.fsdp_mesh`` (pp, dp_outer, dp_shard_cp, tp); experts on
-    ``state.expert_hsdp_mesh`` (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp) — or ``state.expert_mesh``
-    (pp, expt_dp, ep, expt_tp) on a state without the expert replica axis: experts split dim 0 over ep, then FSDP
-    chunks this rank's experts over the shard axis (replicas hold the same chunks), their ffn dim over expt_tp. With a pipeline (pp > 1) each stage holds other parameters, so they live on
+    ``state.expert_hsdp_mesh`` (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): experts split dim 0 over ep, then
+    FSDP chunks this rank's experts over expt_dp_shard (the expt_dp_outer replicas hold the same chunks), their ffn
+    dim over expt_tp. With a pipeline (pp > 1) each stage holds other parameters, so they live on
     the mesh without its ``pp`` axis (the ranks of this stage).
     """
     shape = tuple(getattr(p, "_global_shape", tuple(p.shape)))
@@ -137,11 +132,8 @@ def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Plac
         etp_dim = getattr(p, "_expert_tp_dim", None)
         etp = Shard(etp_dim) if etp_dim is not None and state.size("expt_tp") > 1 else Replicate()
         rest: tuple[Placement, ...] = (fsdp, Shard(0) if ep > 1 else Replicate(), etp)
-        hsdp = getattr(state, "expert_hsdp_mesh", None)
-        if hsdp is not None:  # (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): replicas hold the same shards
-            mesh, placements = hsdp, (Replicate(), Replicate()) + rest
-        else:  # (pp, expt_dp, ep, expt_tp)
-            mesh, placements = state.expert_mesh, (Replicate(),) + rest
+        # (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): the replicas hold the same shards
+        mesh, placements = state.expert_hsdp_mesh, (Replicate(), Replicate()) + rest
     else:
         proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
         for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):

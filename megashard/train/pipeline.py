@@ -10,7 +10,7 @@ Each part is a :class:`~megashard.train.model.GPT` built for one :class:`~megash
 ``[B/dp, s/cp]`` batch into ``train.microbatches`` microbatches; each microbatch loss is a token mean and the
 schedule divides the gradients by the number of microbatches, so the gradient is that of the mean loss — the
 same as one process on the whole batch. Tied embeddings: the first and last stage each hold ``embed.weight``;
-their gradients are summed over the embedding group (``embd``) before the optimizer step (Megatron's rule), so
+their gradients are summed over the state's embedding group (``embd``) before the optimizer step (Megatron's rule), so
 the copies stay equal. A stage whose peer never answers fails after ``parallel.timeout`` seconds with a
 :class:`~megashard.errors.PipelineError` naming the stage, the schedule and the step.
 """
@@ -54,21 +54,9 @@ class PipelineModel(nn.Module):
 
 
 def embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
-    """The group of the first and last pipeline stage of this rank's pipeline (Megatron's embedding group).
-
-    Uses the state's ``embd`` group; with a state that has none, the ``pp`` group when pp = 2 (then it is the
-    same ranks). ``None`` on ranks outside it (middle stages).
-    """
-    pp = state.size("pp")
-    if hasattr(state, "in_group"):  # megashard's embedding groups (created by the embedding stages only)
-        return state.group("embd") if state.in_group("embd") else None
-    ranks = state.ranks("pp")
-    if dist.get_rank() not in (ranks[0], ranks[-1]):
-        return None
-    if pp == 2:  # a state without embedding groups: with two stages the pp group is exactly the first and last
-        return state.group("pp")
-    raise PipelineError(f"tied embeddings with pp={pp} need megashard's embedding group 'embd'; this megashard "
-                        "has none: use pp=2 or model.tie_embeddings=false")
+    """The state's ``embd`` group (the first and last stage of this rank's pipeline, Megatron's embedding group), or
+    ``None`` on ranks outside it (middle stages)."""
+    return state.group("embd") if state.in_group("embd") else None
 
 
 class Pipeline:
