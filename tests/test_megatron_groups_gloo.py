@@ -212,15 +212,14 @@ def check_megatron_module_on_megashard_groups(rank, world_size):
 
     import megashard
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-            from megatron.core.models.gpt.gpt_model import GPTModel
-            from megatron.core.process_groups_config import ProcessGroupCollection
-            from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception:  # noqa: BLE001 - reported as a skip by the test
-        return
+    if _megatron_core_importable():
+        return  # the test reports the skip with the reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.transformer_config import TransformerConfig
     st = megashard.initialize(megashard.ParallelConfig(tp=2, timeout=60))
     try:
         pgs = st.pg_collection()
@@ -247,9 +246,20 @@ def check_megatron_module_on_megashard_groups(rank, world_size):
 
 
 def _megatron_core_importable() -> str | None:
-    import importlib.util
+    """None when megatron-core's modules this test uses import; else the reason to skip (one line)."""
+    import importlib
+    import warnings
 
-    return None if importlib.util.find_spec("megatron.core") else "megatron-core is not installed"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for mod in ("megatron.core.models.gpt.gpt_model", "megatron.core.process_groups_config"):
+                importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        return f"megatron-core is not installed (pip install -e '.[megatron-test]'): {e}"
+    except Exception as e:  # noqa: BLE001 - an installed but broken megatron-core: say why, do not pass silently
+        return f"megatron-core does not import here: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None
 
 
 @pytest.fixture(scope="module")
