@@ -100,6 +100,11 @@ class MissingExtraError(MegashardError, ImportError):
     """An optional feature needs a package that is not installed; the message says what to ``pip install``."""
 
 
+class PipelineError(MegashardError, RuntimeError):
+    """A pipeline stage failed or timed out; the message names the stage, its pp rank and global rank, the schedule
+    and the step."""
+
+
 class RankGridError(ConfigError, RuntimeError):
     """A rank-grid request that Megatron-LM refuses with RuntimeError (an axis of size > 1 missing from ``order``,
     a ``HyperCommGrid`` larger than the world): catchable as either."""

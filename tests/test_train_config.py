@@ -29,6 +29,10 @@ EXPECTED = {
     "moe-ep": (4, 1, 1, 1, 4, 2, 2),
     "gpu-tp-fsdp-cp": (16, 4, 2, 1, 2, 1, 16),
     "text": (4, 2, 1, 1, 2, 1, 4),
+    "pp": (4, 2, 1, 1, 1, 1, 2),
+    "pp-interleaved": (4, 2, 1, 1, 1, 1, 2),
+    "moe-folding": (8, 2, 1, 1, 4, 4, 2),
+    "gpu-5d": (32, 2, 2, 2, 2, 4, 4),
 }
 
 
@@ -69,6 +73,37 @@ def test_gpu_config_is_the_larger_cuda_run():
     assert j.model.vocab_size % 4 == 0 and j.model.seq_len % 2 == 0
 
 
+def test_gpu_5d_config_uses_every_dimension(capsys):
+    """configs/gpu-5d.yaml: every axis > 1, validated for its 32 ranks; plan shows its stages and experts; the
+    launch command is built from Slurm's variables (the run itself needs 4 nodes of GPUs)."""
+    from megashard import cli
+    from megashard.train.launch import plan_launch
+
+    path = os.path.join(ROOT, "configs", "gpu-5d.yaml")
+    j = job(path=path)
+    s = j.validate()
+    assert min(s.tp, s.cp, s.pp, s.vpp, s.dp_outer, s.dp_shard, s.ep, s.expt_dp) > 1 and s.world_size == 32
+    assert j.train.pipeline_schedule == "interleaved_1f1b" and j.model.num_experts % s.ep == 0
+    assert cli.main(["plan", path]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0   pp rank 0   virtual 0  blocks 0-5 + embeddings" in out
+    assert "stage 2   pp rank 0   virtual 1  blocks 12-17" in out
+    assert "stage 3   pp rank 1   virtual 1  blocks 18-23 + head + loss" in out
+    assert "ep rank 3   experts 12, 13, 14, 15" in out
+    env = dict(SLURM, SLURM_NNODES="4", SLURM_JOB_NODELIST="gpu[07-10]")
+    c = plan_launch(path, [], env=env).command
+    assert c[c.index("--nnodes") + 1] == "4" and c[c.index("--nproc-per-node") + 1] == "8"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA devices (the preflight checks them)")
+def test_gpu_5d_dry_run_on_a_gpu_machine(capsys):  # pragma: no cover - CUDA only
+    from megashard import cli
+
+    path = os.path.join(ROOT, "configs", "gpu-5d.yaml")
+    assert cli.main(["run", path, "--dry-run", "launch.rdzv_endpoint=node0:29500"]) == 0
+    assert "pp=2, dp_outer=2, dp_shard=2, ep=4, expt_dp=4, vpp=2" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("overrides,message", [
     (["model.vocab_size=255"], "model.vocab_size=255 must divide by parallel.tp=2 (each TP rank holds vocab/tp rows); pad it to 256"),
@@ -76,10 +111,11 @@ def test_gpu_config_is_the_larger_cuda_run():
     (["train.global_batch=6", "parallel.tp=1", "parallel.dp_shard=4"],
      "train.global_batch=6 must divide by the data-parallel size dp=4 (dp_outer=1 × dp_shard=4); valid dp: 1, 2, 3, 6"),
     (["parallel.cp=2", "parallel.tp=1", "model.seq_len=63"], "model.seq_len=63 must divide by parallel.cp=2"),
-    (["parallel.pp=2", "parallel.tp=1"], "parallel.pp=2: the example training loop has no pipeline schedule; use pp: 1"),
+    (["parallel.pp=2", "parallel.tp=1", "train.microbatches=1"], "train.microbatches=1: 1f1b needs at least pp=2"),
     (["parallel.ep=2"], "parallel.ep=2 needs experts: set model.num_experts"),
     (["model.num_experts=3", "parallel.ep=2", "parallel.tp=1", "parallel.dp_shard=4"], "model.num_experts=3 must divide by parallel.ep=2"),
-    (["model.num_experts=4"], "support tp=1, cp=1, expt_tp=1 only (got tp=2, cp=1, expt_tp=1)"),
+    (["model.num_experts=4", "parallel.tp=1", "parallel.expt_tp=4", "model.ffn_hidden=130"],
+     "model.ffn_hidden=130 (per expert) must divide by parallel.expt_tp=4"),
     (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
     (["train.dtype=float16"], "train.dtype='float16' is not supported; valid: float32, float64, bfloat16"),
     (["optim.min_lr=1.0"], "optim.min_lr=1.0 must be in [0, optim.lr=0.003]"),

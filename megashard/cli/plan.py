@@ -67,6 +67,13 @@ def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
 
 def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None = None,
                 doc: dict[str, Any] | None = None) -> tuple[ParallelConfig, int]:
+    """:func:`load_job` without the job."""
+    config, world_size, _ = load_job(path, overrides, world_size, doc)
+    return config, world_size
+
+
+def load_job(path: str, overrides: Iterable[str] = (), world_size: int | None = None,
+             doc: dict[str, Any] | None = None) -> tuple[ParallelConfig, int, Any]:
     """The job's ParallelConfig (``parallel:`` section, overrides applied) and its world size.
 
     Every section of a job YAML is checked as ``megashard run`` checks it (unknown sections and keys, types,
@@ -74,9 +81,11 @@ def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None
     world size need not fit the job's model or batch. A bare parallel config (only ParallelConfig keys) is
     accepted too. ``world_size`` wins; otherwise it is ``launch.nnodes · launch.nproc_per_node`` from the file.
     Raises ConfigError when neither is available or anything is invalid. ``doc``: the file's parsed content when the
-    caller has read it already (it is not read again).
+    caller has read it already (it is not read again). The third item is the
+    :class:`~megashard.train.config.JobConfig` (None for a bare parallel config).
     """
     overrides = list(overrides)
+    job = None
     doc = yamlfile.apply_overrides(yamlfile.load_yaml(path) if doc is None else doc, overrides)
     if "parallel" in doc or not all(k in _PARALLEL_KEYS for k in doc):
         from megashard.train.config import JobConfig
@@ -95,7 +104,7 @@ def load_config(path: str, overrides: Iterable[str] = (), world_size: int | None
                 f"{path}: no world size: pass --world-size N or add 'launch: {{nnodes: 1, nproc_per_node: N}}' to the config"
             )
     check_world_size(world_size, what)
-    return config, world_size
+    return config, world_size, job
 
 
 def parse_group_names(spec: str | None) -> list[str] | None:
@@ -196,6 +205,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.svg:
         check_output_path("--svg", args.svg)
     flags = size_flags(args)
+    job = None
     if args.config is not None and "=" in args.config and not os.path.exists(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None  # `plan parallel.tp=2`: no CONFIG
     if args.config is None:
@@ -212,10 +222,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         doc = yamlfile.load_yaml(args.config)  # the one read of the file
         if isinstance(doc, dict) and "modules" in doc:
             return _cmd_plan_modules(args, doc, flags, names)
-        config, world_size = load_config(args.config, args.overrides, args.world_size, doc=doc)
+        config, world_size, job = load_job(args.config, args.overrides, args.world_size, doc=doc)
         if flags:
             config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
-    layout = RankLayout(config.resolve(world_size))  # the one resolve of this process
+    sizes = config.resolve(world_size)  # the one resolve of this process
+    layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
     shown = names or list(GROUP_NAMES)
@@ -233,12 +244,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     svg = None
     if args.svg:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
+    placement = None
+    if job is not None:
+        from megashard.train.stages import format_placement, model_placement
+
+        placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
+        plan["model_placement"] = placement
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")
     else:
         source = " ".join([args.config or "", *args.overrides, flags_text(flags)]).strip()
-        sys.stdout.write(format_table(plan, args.max_members, source))
+        table = format_table(plan, args.max_members, source)
+        if placement is not None:
+            table += "\n".join(format_placement(placement)) + "\n"
+        sys.stdout.write(table)
     if svg is not None:
         try:
             with open(args.svg, "w", encoding="utf-8") as f:

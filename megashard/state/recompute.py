@@ -23,7 +23,7 @@ from megashard.chunks import chunk_bounds, chunk_size
 from megashard.errors import StateError
 from megashard.state.rng import _get_cuda_rng_state, _set_cuda_rng_state, get_cuda_rng_tracker
 
-__all__ = ["CheckpointFunction", "checkpoint"]
+__all__ = ["CheckpointFunction", "checkpoint", "checkpoint_nonreentrant"]
 
 
 def _tp_group() -> Any:
@@ -165,3 +165,27 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args: An
     get theirs accumulated in ``.grad`` as usual. Use ``.backward()``, not ``torch.autograd.grad``.
     """
     return CheckpointFunction.apply(function, distribute_saved_activations, group, *args)
+
+
+@contextlib.contextmanager
+def _replaying(snapshot: tuple[torch.Tensor, Any, dict, Optional[tuple[str, ...]]]) -> Any:
+    """Run the recompute from the forward's RNG state, then put the generators back where they were."""
+    now = _rng_snapshot()
+    _rng_restore(snapshot)
+    try:
+        yield
+    finally:
+        _rng_restore(now)
+
+
+def checkpoint_nonreentrant(function: Callable, *args: Any) -> Any:
+    """:func:`checkpoint` for callers that differentiate with ``torch.autograd.grad`` (pipeline schedules).
+
+    PyTorch's non-reentrant ``torch.utils.checkpoint`` with the same RNG replay (CPU and device generators and
+    every tracker stream restored for the recompute); no ``distribute_saved_activations``.
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    snapshot = _rng_snapshot()
+    return torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False,
+                            context_fn=lambda: (contextlib.nullcontext(), _replaying(snapshot)))

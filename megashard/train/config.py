@@ -22,6 +22,7 @@ from megashard.train.sections import (  # noqa: F401  (the section classes are i
     ARCHS,
     CONFIG_SECTIONS,
     DTYPES,
+    PIPELINE_SCHEDULE_NAMES,
     SCHEDULES,
     SECTION_NAMES,
     SOURCES,
@@ -122,6 +123,10 @@ class JobConfig:
 
         return default_ffn_hidden(self.model)
 
+    def microbatches(self, pp: int) -> int:
+        """Microbatches per step and data-parallel rank: ``train.microbatches``, or pp when it is null."""
+        return self.train.microbatches if self.train.microbatches is not None else pp
+
     def moe_layers(self) -> list[int]:
         """0-based indices of the blocks with an MoE MLP."""
         m = self.model
@@ -147,7 +152,6 @@ class JobConfig:
                                     f"{self.launch.nproc_per_node} =")
         s = sizes if sizes is not None else self.parallel.resolve(w)
         m, t = self.model, self.train
-        _need(s.pp == 1, f"parallel.pp={s.pp}: the example training loop has no pipeline schedule; use pp: 1")
         _need(m.vocab_size % s.tp == 0,
               f"model.vocab_size={m.vocab_size} must divide by parallel.tp={s.tp} (each TP rank holds vocab/tp rows); "
               f"pad it to {-(-m.vocab_size // s.tp) * s.tp}")
@@ -158,12 +162,21 @@ class JobConfig:
         _need(t.global_batch % s.dp == 0,
               f"train.global_batch={t.global_batch} must divide by the data-parallel size dp={s.dp} "
               f"(dp_outer={s.dp_outer} × dp_shard={s.dp_shard}); valid dp: {fmt_divisors(t.global_batch)}")
+        self._validate_pipeline(s)
         if m.num_experts:
             _need(m.num_experts % s.ep == 0,
                   f"model.num_experts={m.num_experts} must divide by parallel.ep={s.ep}; valid ep: {fmt_divisors(m.num_experts)}")
-            _need(s.tp == 1 and s.cp == 1 and s.expt_tp == 1,
-                  f"MoE layers (model.num_experts={m.num_experts}) support tp=1, cp=1, expt_tp=1 only "
-                  f"(got tp={s.tp}, cp={s.cp}, expt_tp={s.expt_tp}): experts are spread over ep, data over dp")
+            _need(self.ffn_hidden % s.expt_tp == 0,
+                  f"model.ffn_hidden={self.ffn_hidden} (per expert) must divide by parallel.expt_tp={s.expt_tp} (each "
+                  f"expert tensor-parallel rank holds ffn/expt_tp of every local expert); valid expt_tp: "
+                  f"{fmt_divisors(self.ffn_hidden)}")
+            mb = self.microbatches(s.pp)
+            if t.global_batch % (s.dp * mb) == 0 and m.seq_len % s.cp == 0:
+                tokens = t.global_batch // (s.dp * mb) * (m.seq_len // s.cp)
+                _need(tokens % s.tp == 0,
+                      f"MoE with parallel.tp={s.tp}: each tp rank dispatches 1/tp of a microbatch's tokens, but a "
+                      f"microbatch has global_batch/(dp·microbatches) · seq_len/cp = {tokens} tokens per rank, not "
+                      f"divisible by tp={s.tp}; change train.global_batch, train.microbatches or model.seq_len")
             _need(1 <= m.moe_top_k <= m.num_experts, f"model.moe_top_k={m.moe_top_k} must be in 1..num_experts={m.num_experts}")
             _need(bool(self.moe_layers()),
                   f"model.moe_every={m.moe_every} > model.layers={m.layers}: no block would be an MoE block")
@@ -182,6 +195,41 @@ class JobConfig:
             check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
         self.requested_checkpoint()
         return s
+
+    def _validate_pipeline(self, s: ResolvedSizes) -> None:
+        """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
+        m, t = self.model, self.train
+        vpp = s.vpp or 1
+        mb = self.microbatches(s.pp)
+        _need(t.global_batch % (s.dp * mb) == 0,
+              f"train.global_batch={t.global_batch} must divide by train.microbatches × dp = {mb} × {s.dp} = "
+              f"{mb * s.dp} (global batch = microbatches × micro-batch size × dp); valid microbatches: "
+              f"{fmt_divisors(t.global_batch // s.dp)}")
+        if s.pp == 1:
+            return
+        sched = t.pipeline_schedule
+        if sched in ("1f1b", "gpipe"):
+            _need(vpp == 1, f"parallel.vpp={vpp} runs several stages per rank, but train.pipeline_schedule={sched!r} "
+                  "runs one: use train.pipeline_schedule=interleaved_1f1b (or zbv with vpp=2), or vpp: null")
+        elif sched == "interleaved_1f1b":
+            _need(vpp >= 2, f"train.pipeline_schedule=interleaved_1f1b needs parallel.vpp >= 2 (virtual stages per "
+                  f"rank), got vpp={s.vpp}; or use train.pipeline_schedule=1f1b")
+            rounds = max(1, mb // s.pp)
+            _need(mb % rounds == 0, f"train.microbatches={mb}: interleaved_1f1b needs a multiple of "
+                  f"max(1, microbatches // pp) = {rounds}; e.g. {s.pp} or {2 * s.pp}")
+        elif sched == "zbv":
+            _need(vpp == 2, f"train.pipeline_schedule=zbv runs exactly two stages per rank: set parallel.vpp=2 "
+                  f"(got vpp={s.vpp})")
+            _need(mb >= s.pp, f"train.microbatches={mb}: zbv needs at least pp={s.pp} microbatches")
+        if sched == "1f1b":
+            _need(mb >= s.pp, f"train.microbatches={mb}: 1f1b needs at least pp={s.pp} microbatches (every stage "
+                  f"must have one in flight); use microbatches >= {s.pp} or train.pipeline_schedule=gpipe")
+        _need(not m.distribute_saved_activations, "model.distribute_saved_activations=true is not supported with "
+              f"pipeline parallelism (parallel.pp={s.pp}): pipeline schedules recompute through torch.utils.checkpoint; "
+              "set it to false (model.recompute=true still works)")
+        stages = s.pp * vpp
+        _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {s.pp} × {vpp} = {stages} "
+              "pipeline stages (every stage holds at least one block); lower pp/vpp or add layers")
 
     def requested_checkpoint(self) -> Optional[str]:
         """The checkpoint ``checkpoint.load_step`` / ``checkpoint.load_path`` asks for (absolute path), or None.
@@ -255,10 +303,16 @@ class JobConfig:
         _need(m.hidden % m.heads == 0, f"model.hidden={m.hidden} must divide by model.heads={m.heads}")
         _need(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
         _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
+        _need(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 (0 = no "
+              "load-balancing loss)")
         _need(not m.distribute_saved_activations or m.recompute,
               "model.distribute_saved_activations=true needs model.recompute=true")
         _need(t.dtype in DTYPES, f"train.dtype={t.dtype!r} is not supported; valid: {', '.join(DTYPES)}")
         _need(bool(t.out_dir), "train.out_dir must not be empty")
+        _need(t.pipeline_schedule in PIPELINE_SCHEDULE_NAMES,
+              f"train.pipeline_schedule={t.pipeline_schedule!r} is not supported; valid: {', '.join(PIPELINE_SCHEDULE_NAMES)}")
+        if t.microbatches is not None:
+            _need(t.microbatches >= 1, f"train.microbatches={t.microbatches} must be a positive integer or null (= pp)")
         if t.fail_at_step is not None:
             _need(1 <= t.fail_at_step, f"train.fail_at_step={t.fail_at_step} must be >= 1 or null")
         _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
@@ -272,8 +326,6 @@ class JobConfig:
         _need(m.norm_eps > 0 and m.rope_theta > 0, f"model.norm_eps={m.norm_eps} and model.rope_theta={m.rope_theta} "
               "must be > 0")
         if m.arch == "llama":
-            _need(m.num_experts == 0, f"model.arch=llama has dense SwiGLU MLPs only: use model.num_experts=0 "
-                  f"(got {m.num_experts}) or model.arch=gpt for experts")
             _need((m.hidden // m.heads) % 2 == 0,
                   f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
         if m.init_from is not None:

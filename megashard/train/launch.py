@@ -232,8 +232,11 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         check_free(job.checkpoint_dir, lock_id(job))
         if ensure_corpus(job):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
             check_corpus(job, s.tp)  # validate() let the corpus be missing: check the one just prepared
-    keys = ("tp", "cp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
+    keys = ("tp", "cp", "pp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
+    if s.pp > 1:
+        vpp = f", vpp={s.vpp}" if (s.vpp or 1) > 1 else ""
+        layout += f"{vpp} ({job.train.pipeline_schedule}, {job.microbatches(s.pp)} microbatches)"
     print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
           f"{job.launch.nproc_per_node}), {layout}, {job.train.steps} steps → {job.out_dir}", file=sys.stderr)
     for note in plan.notes:

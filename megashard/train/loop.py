@@ -27,7 +27,8 @@ from megashard.train.config import JobConfig
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
-__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "job_fingerprint"]
+__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "full_gradients",
+           "job_fingerprint"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -85,29 +86,40 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
     Each rank holds FSDP shards of TP slices. The squared norm is summed exactly once per element:
     TP-split parameters over ``tp`` then ``dp_shard_cp``; TP-replicated ones over ``dp_shard_cp`` only
     (every TP rank holds the same copy); HSDP replicas (``dp_outer``) hold identical gradients and are
-    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards).
+    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards), their ffn slices first over
+    ``expt_tp`` (the replicated output bias not). Pipeline stages hold
+    different parameters: the sum is then reduced over ``pp``, with the last stage's copy of a tied embedding
+    left out (it equals the first stage's, which is counted).
     """
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = next((p.device for p in params), torch.device("cpu"))
-    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert")}
+    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert", "expert_tp")}
     grads = []
     for p in params:
         if p.grad is None:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         grads.append(p.grad)
-        if g.numel() == 0:
+        if g.numel() == 0 or getattr(p, "_tied_copy", False):
             continue
-        kind = "expert" if getattr(p, "_expert_parallel", False) else ("tp" if getattr(p, "tensor_model_parallel", False) else "rep")
+        if getattr(p, "_expert_parallel", False):
+            kind = "expert_tp" if getattr(p, "_expert_tp_dim", None) is not None else "expert"
+        else:
+            kind = "tp" if getattr(p, "tensor_model_parallel", False) else "rep"
         sq[kind] += g.detach().to(dtype).pow(2).sum()
     _all_reduce(sq["tp"], state, "tp")
     dense = sq["tp"] + sq["rep"]
     _all_reduce(dense, state, "dp_shard_cp")
-    expert = sq["expert"]
+    _all_reduce(sq["expert_tp"], state, "expt_tp")
+    expert = sq["expert"] + sq["expert_tp"]
     if any(getattr(p, "_expert_parallel", False) for p in params):
+        from megashard.train.parallelize import expert_shard_axis
+
         _all_reduce(expert, state, "ep")
-        _all_reduce(expert, state, "expt_dp")
-    norm = (dense + expert).sqrt()
+        _all_reduce(expert, state, expert_shard_axis(state))  # expert HSDP replicas are not summed
+    total = dense + expert
+    _all_reduce(total, state, "pp")
+    norm = total.sqrt()
     if max_norm > 0:
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -118,7 +130,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
 
 # ---------------------------------------------------------------------------------------------- building
 def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The parallelized model (initialised from the seed) and its AdamW, for the current layout."""
+    """The parallelized model (initialised from the seed) and its AdamW, for the current layout.
+
+    With ``pp > 1`` the model is a :class:`~megashard.train.pipeline.PipelineModel` of this rank's stages
+    (:func:`megashard.train.stages.stage_specs`), each sharded with FSDP2 on its own.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from megashard.train.model import GPT, ModelGroups, init_parameters
@@ -127,11 +143,27 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
     dtype = _DTYPES[job.train.dtype]
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights, bf16 compute
     groups = ModelGroups.from_state(state)
-    model = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
-                device=current_device(state.device_type))
-    init_parameters(model, job.parallel.seed, groups)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
-    parallelize(model, state, mp_policy=mp)
+    device = current_device(state.device_type)
+
+    def make(stage: Any = None) -> torch.nn.Module:
+        m = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
+                device=device, stage=stage)
+        init_parameters(m, job.parallel.seed, groups)
+        return m
+
+    pp = state.size("pp")
+    if pp > 1:
+        from megashard.train.pipeline import PipelineModel
+        from megashard.train.stages import stage_specs
+
+        specs = stage_specs(job.model.layers, state.rank_in("pp"), pp, state.sizes.vpp or 1, job.train.pipeline_schedule)
+        parts = [make(spec) for spec in specs]
+        for part in parts:
+            parallelize(part, state, mp_policy=mp, reshard_after_forward=job.train.reshard_between_microbatches)
+        model: torch.nn.Module = PipelineModel(parts)
+    else:
+        model = parallelize(make(), state, mp_policy=mp)
     if job.model.init_from is not None:  # Hugging Face weights instead of the seeded init (each rank its slices)
         from megashard.train.hf_io import load_init_from
 
@@ -151,22 +183,68 @@ def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, t
     """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
     from megashard.train.parallelize import global_dtensor, local_tensor
 
-    return {n: global_dtensor(local_tensor(p.detach()), p, state).full_tensor() for n, p in model.named_parameters()}
+    # Stages hold different parameters; the pp axis of each global DTensor is Replicate, so full_tensor()
+    # communicates within the stage only. The stages' dicts are then shared over pp.
+    out = {n: global_dtensor(local_tensor(p.detach()), p, state).full_tensor() for n, p in model.named_parameters()}
+    return _merge_over_pp(out, state)
+
+
+def full_gradients(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as the full global tensor (on every rank; collective). For tests."""
+    from megashard.train.parallelize import global_dtensor, local_tensor
+
+    out = {n: global_dtensor(local_tensor(p.grad.detach()), p, state).full_tensor()
+           for n, p in model.named_parameters() if p.grad is not None}
+    return _merge_over_pp(out, state)
+
+
+def _merge_over_pp(out: dict[str, torch.Tensor], state: ParallelState) -> dict[str, torch.Tensor]:
+    if state.size("pp") == 1:
+        return out
+    parts: list[Any] = [None] * state.size("pp")
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=state.group("pp"))
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Any, batches: int, state: ParallelState) -> float:
+def evaluate(model: torch.nn.Module, data: Any, batches: int, state: ParallelState, pipe: Any = None) -> float:
     """Mean loss over validation batches ``0 .. batches-1`` (each rank its slice), averaged over dp·cp ranks."""
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=data.device)
     for k in range(batches):
-        total += model(*data.valid_batch(k)).detach().to(torch.float64)
+        x, y = data.valid_batch(k)
+        total += (pipe.eval_loss(x, y) if pipe is not None else model(x, y)).detach().to(torch.float64)
     model.train()
     _all_reduce(total, state, "dp_cp")
     return float(total) / (batches * state.size("dp") * state.size("cp"))
 
 
 # ---------------------------------------------------------------------------------------------- the loop
+def _forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """Forward and backward of this rank's batch in ``microbatches`` equal chunks (gradient accumulation: the
+    gradient of the mean of the chunks' mean losses; FSDP reduces once, after the last chunk)."""
+    if microbatches == 1:
+        loss = model(x, y)
+        loss.backward()
+        return loss.detach()
+    total = None
+    for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == microbatches - 1)
+        loss = model(xm, ym)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    # Divide the summed gradients once, as the pipeline schedules do (scale_grads): auxiliary losses attached to
+    # activations are averaged over the microbatches with the LM loss.
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(microbatches)
+    return total / microbatches
+
+
 def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
@@ -183,6 +261,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
     from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
+    from megashard.train.parallelize import finish_expert_grads
 
     ms.init_distributed(job.parallel)
     # Every rank must run the same job: checked in the first collective, before any other group exists.
@@ -227,6 +306,12 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
         bar = ProgressBar(t.steps, start, enabled=t.progress and rank == 0, log_interval=t.log_interval)
         params = list(model.parameters())
+        pipe = None
+        if sizes.pp > 1:
+            from megashard.train.pipeline import Pipeline
+
+            pipe = Pipeline(job, state, model)
+        microbatches = job.microbatches(sizes.pp)
         tokens_per_step = t.global_batch * job.model.seq_len
         result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
         dp_cp = sizes.dp * sizes.cp
@@ -244,8 +329,8 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             # Dropout masks depend on (seed, step) only: a resumed run draws what the original drew.
             model_parallel_manual_seed(seed + 7919 * (step + 1))
             x, y = data.batch(step)
-            loss = model(x, y)
-            loss.backward()
+            loss = pipe.step(x, y, step) if pipe is not None else _forward_backward(model, x, y, microbatches)
+            finish_expert_grads(model, state)
             norm = clip_grad_norm(params, job.optim.grad_clip, state)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -259,7 +344,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-                record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state)
+                record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state, pipe)
                 if rank == 0:
                     bar.finish()  # a line of its own below the bar (which goes on on the next line)
                     print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,

@@ -42,6 +42,7 @@ from megashard.train.sections import ModelConfig
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
+    from megashard.train.stages import StageSpec
 
 __all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed", "default_ffn_hidden"]
 
@@ -53,6 +54,7 @@ class ModelGroups:
     tp: Optional[dist.ProcessGroup] = None
     cp: Optional[dist.ProcessGroup] = None
     ep: Optional[dist.ProcessGroup] = None
+    expt_tp: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def from_state(cls, state: ParallelState) -> "ModelGroups":
@@ -62,11 +64,12 @@ class ModelGroups:
 
     @classmethod
     def from_pg_collection(cls, pgs: Any) -> "ModelGroups":
-        """Groups of a Megatron ``ProcessGroupCollection`` (``pgs.tp``, ``pgs.cp``, ``pgs.ep``; size 1 -> ``None``)."""
+        """Groups of a Megatron ``ProcessGroupCollection`` (``pgs.tp``, ``pgs.cp``, ``pgs.ep``,
+        ``pgs.expt_tp``; size 1 -> ``None``)."""
         def g(pg: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
             return pg if pg is not None and pg.size() > 1 else None
 
-        return cls(tp=g(pgs.tp), cp=g(pgs.cp), ep=g(pgs.ep))
+        return cls(tp=g(pgs.tp), cp=g(pgs.cp), ep=g(pgs.ep), expt_tp=g(pgs.expt_tp))
 
 
 def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:
@@ -152,19 +155,20 @@ class Block(nn.Module):
         self.ln1 = _norm(cfg, dtype, device)
         self.attn = Attention(cfg, groups, dtype, device, rotary)
         self.ln2 = _norm(cfg, dtype, device)
-        if cfg.arch == "llama":
-            from megashard.train.llama import SwiGLU
-
-            self.mlp: nn.Module = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
-        elif moe:
+        if moe:  # experts of the architecture's MLP kind (GELU or SwiGLU)
             from megashard.train.moe import MoE
 
             self.mlp: nn.Module = MoE(cfg, ffn, groups, dtype, device)
+        elif cfg.arch == "llama":
+            from megashard.train.llama import SwiGLU
+
+            self.mlp = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
         else:
             self.mlp = MLP(cfg, ffn, groups, dtype, device)
         self.dropout = cfg.dropout
         self.recompute, self.distribute_saved = cfg.recompute, cfg.distribute_saved_activations
         self.tp_group = groups.tp
+        self.in_pipeline = False  # set by GPT for pipeline stages
 
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
@@ -172,7 +176,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
-            from megashard.state.recompute import checkpoint
+            from megashard.state.recompute import checkpoint, checkpoint_nonreentrant
+
+            if self.in_pipeline:  # pipeline schedules differentiate with torch.autograd.grad
+                return checkpoint_nonreentrant(self._body, x)
 
             distribute = self.distribute_saved and self.tp_group is not None
             return checkpoint(self._body, distribute, x, group=self.tp_group)
@@ -180,47 +187,82 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``)."""
+    """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``).
+
+    ``stage`` (a :class:`~megashard.train.stages.StageSpec`) builds one pipeline stage instead: the embeddings only
+    on the first, the final norm and LM head only on the last (plus a copy of a tied embedding table), and the
+    blocks ``stage.layers`` under their global names (``blocks.<i>``).
+    """
 
     def __init__(self, cfg: ModelConfig, groups: Optional[ModelGroups] = None, *, ffn_hidden: Optional[int] = None,
-                 moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None) -> None:
+                 moe_layers: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, device: Any = None,
+                 stage: Optional["StageSpec"] = None) -> None:
         super().__init__()
         groups = groups or ModelGroups()
-        self.cfg, self.groups = cfg, groups
+        self.cfg, self.groups, self.stage = cfg, groups, stage
         ffn = ffn_hidden or cfg.ffn_hidden or default_ffn_hidden(cfg)
         moe_layers = moe_layers or []
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std, dtype=dtype, device=device)
+        first = stage is None or stage.is_first
+        last = stage is None or stage.is_last
+        self.is_first, self.is_last = first, last
+        layers = range(cfg.layers) if stage is None else stage.layers
+        # The last stage of a pipeline keeps its own copy of a tied embedding table (Megatron's shared embedding):
+        # same name, same init, gradients all-reduced over the embedding group, so the copies stay equal.
+        if first or (last and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, groups.tp, init_std=cfg.init_std,
+                                                dtype=dtype, device=device)
+            if not first:
+                self.embed.weight._tied_copy = True  # counted once by the gradient norm (on the first stage)
         rotary = None
         if cfg.arch == "llama":
             from megashard.train.llama import Rotary
 
             rotary = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta, device=device)
-        else:
+        elif first:
             self.pos = _replicated(nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype, device=device)),
                                    "normal", cfg.init_std)
-        self.blocks = nn.ModuleList(
-            Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in range(cfg.layers)
+        # Keyed by the global block index, so parameter names ("blocks.5.attn.qkv.weight") are the same in every
+        # pipeline split (checkpoints load across splits).
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(cfg, ffn, i in moe_layers, groups, dtype, device, rotary) for i in layers}
         )
-        self.ln_f = _norm(cfg, dtype, device)
+        for block in self.blocks.values():
+            block.in_pipeline = stage is not None
         self.head = None
-        if not cfg.tie_embeddings:
-            self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False, init_std=cfg.init_std,
-                                             dtype=dtype, device=device)
+        if last:
+            self.ln_f = _norm(cfg, dtype, device)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, groups.tp, bias=False,
+                                                 init_std=cfg.init_std, dtype=dtype, device=device)
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        s = ids.shape[1]
-        x = self.embed(ids)
-        if self.cfg.arch == "gpt":
-            start = group_rank(self.groups.cp) * s
-            x = x + self.pos[start: start + s]
-        x = F.dropout(x, self.cfg.dropout, self.training)
-        for block in self.blocks:
+    def forward(self, inp: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``inp``: token ids ``[b, s/cp]`` (first stage) or hidden states ``[b, s/cp, h]``. Returns the mean loss
+        if ``targets`` is given (last stage), else the logits ``[b, s/cp, vocab/tp]`` (last stage, for a pipeline
+        schedule's loss function) or the hidden states (other stages)."""
+        if self.is_first:
+            s = inp.shape[1]
+            x = self.embed(inp)
+            if self.cfg.arch == "gpt":
+                start = group_rank(self.groups.cp) * s
+                x = x + self.pos[start: start + s]
+            x = F.dropout(x, self.cfg.dropout, self.training)
+        else:
+            x = inp
+        for block in self.blocks.values():
             x = block(x)
+        if not self.is_last:
+            return x
         h = self.ln_f(x)
         if self.head is None:  # tied: the vocabulary-parallel embedding table is the column-parallel head weight
             logits = F.linear(copy_to_tp(h, self.groups.tp), self.embed.weight)
         else:
             logits = self.head(h)  # [b, s, vocab/tp]
+        if targets is None:
+            return logits
+        return self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of ``logits [b, s, vocab/tp]`` against ``targets [b, s]`` (vocabulary-parallel)."""
         return vocab_parallel_cross_entropy(logits, targets, self.groups.tp).mean()
 
 
@@ -240,9 +282,13 @@ def param_init_seed(seed: int, name: str) -> int:
 
 
 def _local_slice(full: torch.Tensor, p: torch.Tensor, groups: ModelGroups) -> torch.Tensor:
-    """This rank's part of ``full``: the expert slice (dim 0 over ep), then the TP slice (partition dim over tp)."""
+    """This rank's part of ``full``: the expert slice (dim 0 over ep, then the ffn dim over expt_tp), then the TP
+    slice (partition dim over tp)."""
     if getattr(p, "_expert_parallel", False):
         full = full.chunk(group_size(groups.ep), dim=0)[group_rank(groups.ep)]
+        etp_dim = getattr(p, "_expert_tp_dim", None)
+        if etp_dim is not None:
+            full = full.chunk(group_size(groups.expt_tp), dim=etp_dim)[group_rank(groups.expt_tp)]
     dim = get_mcore_tensor_parallel_partition_dim(p)
     if dim is not None:
         full = full.chunk(group_size(groups.tp), dim=dim)[group_rank(groups.tp)]

@@ -13,6 +13,7 @@ checkpoints store: they load into any other layout.
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
@@ -27,11 +28,11 @@ from megashard.tensors.placements import resolve_placements
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
-__all__ = ["parallelize", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
+__all__ = ["parallelize", "finish_expert_grads", "expert_shard_axis", "expert_fully_shard_mesh", "global_dtensor", "param_layout", "local_tensor", "PARAM_ATTRS"]
 
 #: Python attributes of a parameter that survive ``fully_shard`` (copied onto FSDP's new parameter).
 PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode",
-               "_global_shape", "_init", "_expert_parallel", "allreduce")
+               "_global_shape", "_init", "_expert_parallel", "allreduce", "_tied_copy", "_expert_tp_dim")
 
 
 def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -53,11 +54,15 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     attrs = _saved_attrs(model)
     mp = mp_policy or MixedPrecisionPolicy()
     mesh = state.fully_shard_mesh
-    for block in getattr(model, "blocks", []):
+    blocks = getattr(model, "blocks", [])
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
         if isinstance(getattr(block, "mlp", None), MoE):
-            experts = fully_shard(block.mlp.experts, mesh=state.mesh("expt_dp"), mp_policy=mp,
+            experts = fully_shard(block.mlp.experts, mesh=expert_fully_shard_mesh(state), mp_policy=mp,
                                   reshard_after_forward=reshard_after_forward)
-            experts.set_gradient_divide_factor(float(state.size("dp") * state.size("cp")))
+            if state.size(expert_shard_axis(state)) > 1:
+                # With expt_dp = 1 torch 2.13's FSDP divides by a custom factor twice (in its world-size-1 copy and
+                # after it): then no factor here, and finish_expert_grads divides once after backward.
+                experts.set_gradient_divide_factor(float(state.size("dp") * state.size("cp")))
             if dist.get_backend(state.group("expt_dp")) != "nccl":
                 # A custom factor becomes NCCL's PREMUL_SUM, which gloo lacks: divide outside the collective.
                 experts.set_force_sum_reduction_for_comms(True)
@@ -69,31 +74,76 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     return model
 
 
+def expert_shard_axis(state: ParallelState) -> str:
+    """The axis expert parameters are FSDP-sharded over: ``expt_dp_shard`` (inside an HSDP replica; = ``expt_dp``
+    without HSDP)."""
+    return "expt_dp_shard"
+
+
+def expert_fully_shard_mesh(state: ParallelState) -> Any:
+    """The mesh of ``fully_shard`` for experts: ``state.expert_fully_shard_mesh`` (FSDP over ``expt_dp_shard``,
+    HSDP across the ``expt_dp_outer`` replicas when dp_outer > 1)."""
+    return state.expert_fully_shard_mesh
+
+
+def finish_expert_grads(model: nn.Module, state: ParallelState) -> None:
+    """Divide expert gradients by ``dp · cp / expt_dp`` when FSDP had no shard peers to reduce-scatter with (shard
+    axis of size 1: :func:`parallelize` then sets no divide factor, and FSDP divides by the replicas it all-reduces
+    over, if any). Call after backward, before clipping."""
+    if state.size(expert_shard_axis(state)) > 1:
+        return
+    factor = state.size("dp") * state.size("cp") / state.size("expt_dp")
+    if factor == 1:
+        return
+    for p in model.parameters():
+        if getattr(p, "_expert_parallel", False) and p.grad is not None:
+            p.grad.div_(factor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: ``t.to_local()`` for a DTensor, else ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+_STAGE_MESHES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _stage_mesh(mesh: Any) -> Any:
+    """``mesh`` without its leading ``pp`` axis (cached): what one pipeline stage's parameters live on."""
+    sub = _STAGE_MESHES.get(mesh)
+    if sub is None:
+        sub = _STAGE_MESHES[mesh] = mesh[tuple(mesh.mesh_dim_names[1:])]
+    return sub
 
 
 def param_layout(p: torch.Tensor, state: ParallelState) -> tuple[Any, tuple[Placement, ...], tuple[int, ...]]:
     """``(mesh, placements, global_shape)`` of parameter ``p`` (after :func:`parallelize`) as a global DTensor.
 
     Dense parameters live on ``state.fsdp_mesh`` (pp, dp_outer, dp_shard_cp, tp); experts on
-    ``state.expert_mesh`` (pp, expt_dp, ep, expt_tp): experts split dim 0 over ep, then FSDP chunks this
-    rank's experts over expt_dp.
+    ``state.expert_hsdp_mesh`` (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): experts split dim 0 over ep, then
+    FSDP chunks this rank's experts over expt_dp_shard (the expt_dp_outer replicas hold the same chunks), their ffn
+    dim over expt_tp. With a pipeline (pp > 1) each stage holds other parameters, so they live on
+    the mesh without its ``pp`` axis (the ranks of this stage).
     """
     shape = tuple(getattr(p, "_global_shape", tuple(p.shape)))
     if getattr(p, "_expert_parallel", False):
-        mesh = state.expert_mesh
         ep = state.size("ep")
         fsdp = _StridedShard(0, split_factor=ep) if ep > 1 else Shard(0)
-        placements = (Replicate(), fsdp, Shard(0) if ep > 1 else Replicate(), Replicate())
-        return mesh, placements, shape
-    proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
-    for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):
-        if hasattr(p, a):
-            setattr(proxy, a, getattr(p, a))
-    mesh = state.fsdp_mesh
-    return mesh, resolve_placements(proxy, mesh, global_shape=shape), shape
+        etp_dim = getattr(p, "_expert_tp_dim", None)
+        etp = Shard(etp_dim) if etp_dim is not None and state.size("expt_tp") > 1 else Replicate()
+        rest: tuple[Placement, ...] = (fsdp, Shard(0) if ep > 1 else Replicate(), etp)
+        # (pp, expt_dp_outer, expt_dp_shard, ep, expt_tp): the replicas hold the same shards
+        mesh, placements = state.expert_hsdp_mesh, (Replicate(), Replicate()) + rest
+    else:
+        proxy = torch.empty(shape, device="meta")  # carries the TP attributes only (p itself is FSDP's DTensor)
+        for a in ("tensor_model_parallel", "partition_dim", "partition_stride", "_tensor_parallel_mode"):
+            if hasattr(p, a):
+                setattr(proxy, a, getattr(p, a))
+        mesh = state.fsdp_mesh
+        placements = tuple(resolve_placements(proxy, mesh, global_shape=shape))
+    if state.size("pp") > 1:
+        return _stage_mesh(mesh), placements[1:], shape
+    return mesh, placements, shape
 
 
 def global_dtensor(local: torch.Tensor, p: torch.Tensor, state: ParallelState) -> DTensor:

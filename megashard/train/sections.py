@@ -18,6 +18,7 @@ DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
 ARCHS = ("gpt", "llama")
 SCHEDULES = ("cosine", "linear", "constant")
+PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
 
 @dataclass
@@ -52,11 +53,16 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the normal weight init; output projections use init_std / sqrt(2 · layers)."""
     num_experts: int = 0
-    """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``; needs tp = cp = 1."""
+    """Experts per MoE layer; 0 = dense MLP everywhere. Must divide by ``parallel.ep``. Experts fold over the same
+    ranks as attention (any tp, cp, dp) with their own ``parallel.ep`` and ``parallel.expt_tp`` (which must divide
+    ``ffn_hidden``)."""
     moe_every: int = 2
     """With experts: every ``moe_every``-th block (1-based, the last one included) uses an MoE MLP."""
     moe_top_k: int = 1
     """With experts: experts per token (top-k routing, renormalised gate weights)."""
+    moe_aux_loss_coeff: float = 0.0
+    """With experts: weight of the router's load-balancing loss (Megatron's aux loss, per sequence:
+    coeff · E · Σ_e f_e · P_e); it joins the gradient, the reported loss is the LM loss. ≥ 0; e.g. 1e-2."""
     recompute: bool = False
     """Activation recompute of every block through ``megashard.state.recompute.checkpoint`` (trades compute for memory)."""
     distribute_saved_activations: bool = False
@@ -97,6 +103,16 @@ class TrainConfig:
     """Fault injection for tests: rank ``fail_rank`` exits with code 1 after this step (first attempt only)."""
     fail_rank: int = 0
     """Fault injection: the global rank that fails at ``fail_at_step``."""
+    pipeline_schedule: str = "1f1b"
+    """With ``parallel.pp > 1``: PyTorch's pipeline schedule — ``1f1b``, ``gpipe``, ``interleaved_1f1b`` (needs
+    ``parallel.vpp ≥ 2``: rank r runs stages r, r + pp, …) or ``zbv`` (zero-bubble V, needs ``parallel.vpp = 2``)."""
+    microbatches: Optional[int] = None
+    """Microbatches per step and data-parallel rank: global_batch = microbatches × micro-batch size × dp, so
+    ``global_batch`` must divide by microbatches · dp. ``null`` = pp (1 without pipeline). With pp = 1 the
+    microbatches accumulate gradients; ``1f1b`` needs microbatches ≥ pp."""
+    reshard_between_microbatches: bool = False
+    """With a pipeline: FSDP frees the gathered parameters after every microbatch's forward (less memory, one
+    all-gather per microbatch) instead of keeping them until the step's backward is done."""
 
 
 @dataclass
