@@ -2,7 +2,7 @@
 prefix, "did you mean" hints)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 
 def error_line(prefix: str, error: BaseException) -> str:
@@ -98,6 +98,21 @@ class DataError(MegashardError, ValueError):
 
 class MissingExtraError(MegashardError, ImportError):
     """An optional feature needs a package that is not installed; the message says what to ``pip install``."""
+
+
+def require_extra(module: str, what: str, extra: str, label: str | None = None) -> Any:
+    """Import ``module`` (e.g. ``"safetensors.torch"``) for feature ``what``, or raise :class:`MissingExtraError`:
+    "<what> needs the <label> package, which is not installed: pip install 'megashard[<extra>]' (or pip install
+    <package>)", where the package is the module's top-level name and ``label`` defaults to it, quoted."""
+    import importlib
+
+    package = module.split(".")[0]
+    try:
+        importlib.import_module(package)  # first: a cached submodule must not hide a missing package
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(f"{what} needs the {label or repr(package)} package, which is not installed: "
+                                f"pip install 'megashard[{extra}]' (or pip install {package})") from None
 
 
 class PipelineError(MegashardError, RuntimeError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Iterator, Optional, Union
 
-from megashard.errors import DataError, MissingExtraError
+from megashard.errors import DataError, require_extra
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "train_bpe", "require_tokenizers", "EOD_NAMES"]
 
@@ -25,12 +25,7 @@ EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 def require_tokenizers(what: str) -> Any:
     """Import Hugging Face ``tokenizers`` or raise :class:`MissingExtraError` saying what to install."""
-    try:
-        import tokenizers
-    except ImportError:
-        raise MissingExtraError(f"{what} needs the Hugging Face 'tokenizers' package, which is not installed: "
-                                "pip install 'megashard[data]' (or pip install tokenizers)") from None
-    return tokenizers
+    return require_extra("tokenizers", what, "data", label="Hugging Face 'tokenizers'")
 
 
 class ByteTokenizer:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from megashard.errors import CheckpointError, ConfigError, MissingExtraError
+from megashard.errors import CheckpointError, ConfigError, require_extra
 from megashard.train.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
 
 if TYPE_CHECKING:
@@ -37,12 +37,7 @@ SINGLE = "model.safetensors"
 
 
 def _safetensors(what: str) -> Any:
-    try:
-        import safetensors.torch  # noqa: F401
-        from safetensors import safe_open  # noqa: F401
-    except ImportError:
-        raise MissingExtraError(f"{what} needs the 'safetensors' package, which is not installed: "
-                                "pip install 'megashard[hf]' (or pip install safetensors)") from None
+    require_extra("safetensors.torch", what, "hf")  # (imports the package and its torch helpers)
     import safetensors
 
     return safetensors
