@@ -77,3 +77,20 @@ def flip_bit(path: str, offset: int, bit: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ (1 << bit)]))
+
+
+def copy_checkpoint_step(base: str, tag: str, root: str, step: int = 5) -> str:
+    """Rank 0 copies run ``base/tag``'s checkpoint of ``step`` into a new checkpoint root ``base/root``; every rank
+    waits for it. Returns the new root (a place to load that one checkpoint from another layout)."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    name = f"step_{step:08d}"
+    dst = os.path.join(base, root)
+    if dist.get_rank() == 0:
+        os.makedirs(dst)
+        shutil.copytree(os.path.join(base, tag, "checkpoints", name), os.path.join(dst, name))
+    dist.barrier()
+    return dst

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests._dist import spawn_checks
+from tests._helpers import copy_checkpoint_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
@@ -112,17 +113,6 @@ def _grads(tag: str, overrides: list[str]) -> None:
         ms.destroy()
 
 
-def _copy_step5(tag: str, root: str) -> str:
-    import torch.distributed as dist
-
-    dst = os.path.join(_dir(), root)
-    if dist.get_rank() == 0:
-        os.makedirs(dst)
-        shutil.copytree(os.path.join(_dir(), tag, "checkpoints", "step_00000005"), os.path.join(dst, "step_00000005"))
-    dist.barrier()
-    return dst
-
-
 def _roundtrip(tag: str, overrides: list[str]) -> None:
     """Load the tp=2·pp=2 step-5 checkpoint in this layout and save it again (under ``<tag>-again``)."""
     _roundtrip_from(os.path.join(_dir(), "pp2_tp2-f64", "checkpoints", "step_00000005"), tag, overrides)
@@ -150,7 +140,7 @@ def _roundtrip_from(src: str, tag: str, overrides: list[str]) -> None:
 
 def _resume(tag: str, overrides: list[str]) -> None:
     """Train steps 6-10 from the tp=2·pp=2 run's step-5 checkpoint in this layout."""
-    dst = _copy_step5("pp2_tp2-f64", f"{tag}-ckpt")
+    dst = copy_checkpoint_step(_dir(), "pp2_tp2-f64", f"{tag}-ckpt")
     _roundtrip(tag, overrides + F64)
     _run(tag, overrides + F64 + ["train.resume=true", f"checkpoint.dir={dst}"])
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests._dist import spawn_checks
+from tests._helpers import copy_checkpoint_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
@@ -143,27 +144,15 @@ def check_moe_ep2_f32(rank, world_size):
     _run("moe_ep2-f32", ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "train.dtype=float32"] + MOE)
 
 
-def _copy_step5(tag: str, root: str) -> str:
-    """Rank 0 copies run ``tag``'s step-5 checkpoint into a new checkpoint root ``root``; every rank waits for it."""
-    import torch.distributed as dist
-
-    dst = os.path.join(_dir(), root)
-    if dist.get_rank() == 0:
-        os.makedirs(dst)
-        shutil.copytree(os.path.join(_dir(), tag, "checkpoints", "step_00000005"), os.path.join(dst, "step_00000005"))
-    dist.barrier()
-    return dst
-
-
 def check_moe_reshard_ep1(rank, world_size):
     # The ep=2 run's step-5 checkpoint (experts split over ep, then FSDP over expt_dp=2) resumed at ep=1 (expt_dp=4).
-    dst = _copy_step5("moe_ep2-f64", "moe-reshard-ckpt")
+    dst = copy_checkpoint_step(_dir(), "moe_ep2-f64", "moe-reshard-ckpt")
     _run("moe-reshard-ep1-f64", ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=1", "train.dtype=float64",
                                  "train.resume=true", f"checkpoint.dir={dst}"] + MOE)
 
 
 def check_reshard_resume_dp4(rank, world_size):
-    dst = _copy_step5("tp2_dp2-f64", "reshard-ckpt")
+    dst = copy_checkpoint_step(_dir(), "tp2_dp2-f64", "reshard-ckpt")
     _run("reshard-dp4-f64", LAYOUTS["dp4"] + ["train.dtype=float64", "train.resume=true", f"checkpoint.dir={dst}"],
          save_params=True)
 
@@ -178,7 +167,7 @@ def check_llama_tp2_cp2_f64(rank, world_size):
 
 
 def check_llama_reshard_dp4(rank, world_size):
-    dst = _copy_step5("llama-tp2_dp2", "llama-reshard-ckpt")
+    dst = copy_checkpoint_step(_dir(), "llama-tp2_dp2", "llama-reshard-ckpt")
     _run("llama-reshard-dp4", LAYOUTS["dp4"] + _llama() + ["train.resume=true", f"checkpoint.dir={dst}"])
 
 
