@@ -20,7 +20,8 @@ import tempfile
 import pytest
 
 from tests._dist import spawn_checks
-from tests.test_train_parity import ENV, SINGLE, STEPS, _assert_close, _copy_step5, _losses, _run
+from tests._helpers import copy_checkpoint_step
+from tests.test_train_parity import ENV, SINGLE, STEPS, _assert_close, _dir, _losses, _run
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +47,7 @@ def check_cuda_resume(rank, world_size):
     import torch
 
     torch.cuda.set_device(0)
-    dst = _copy_step5("cuda-f32", "cuda-resume-ckpt")
+    dst = copy_checkpoint_step(_dir(), "cuda-f32", "cuda-resume-ckpt")
     _run("cuda-f32-resume", CUDA + ["train.dtype=float32", "train.resume=true", f"checkpoint.dir={dst}"])
 
 
@@ -55,7 +56,7 @@ def check_cpu_f32(rank, world_size):
 
 
 def check_cpu_resume_from_cuda(rank, world_size):
-    dst = _copy_step5("cuda-f32", "cpu-resume-ckpt")
+    dst = copy_checkpoint_step(_dir(), "cuda-f32", "cpu-resume-ckpt")
     _run("cpu-resume-from-cuda", SINGLE + ["parallel.device=cpu", "train.dtype=float32", "train.resume=true",
                                            f"checkpoint.dir={dst}"])
 
