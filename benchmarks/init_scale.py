@@ -26,9 +26,12 @@ because tracing slows the run), ``ru_maxrss`` growth, ``new_group``/``split_grou
 constructions (counted by wrapping them) — against the floor: the distinct non-world rank sets the
 rank belongs to. Prints a markdown table and writes ``benchmarks/results/init_scale.json``.
 
-    python benchmarks/init_scale.py [--quick] [--repeats N] [--rank R] [--profile]
+    python benchmarks/init_scale.py [--quick] [--repeats N] [--rank R] [--profile] [--import-init-only]
 
 ``--quick`` runs 1,024 and 4,096 ranks only; ``--profile`` adds a cProfile of megashard at the largest world.
+Then (unless ``--quick`` or ``--no-import-init``) import and initialisation apart, ``import megashard.parallel_state``
++ ``initialize_model_parallel`` against Megatron-LM's and ``init_device_mesh`` at 65,536 and 1,048,576 ranks
+(:mod:`benchmarks.init_import`, ``benchmarks/results/init_import.json``); ``--import-init-only`` runs just that.
 """
 from __future__ import annotations
 
@@ -292,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="*", default=None, help="override the world sizes")
     ap.add_argument("--profile", action="store_true", help="cProfile megashard at the largest world")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--no-import-init", action="store_true", help="skip the import / init table (init_import.py)")
+    ap.add_argument("--import-init-only", action="store_true", help="only the import / init table (init_import.py)")
+    ap.add_argument("--megatron-python", default=None, help="an interpreter with megatron-core for the import / init "
+                    "table (default: this one if it has it, else $MEGATRON_PYTHON)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--layout", choices=tuple(LAYOUTS), help=argparse.SUPPRESS)
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.worker, args.layout, args.world, args.rank, args.trace, args.profile)))
         return 0
 
+    if args.import_init_only:
+        return _import_init(args)
     worlds = tuple(args.worlds) if args.worlds else (QUICK_WORLDS if args.quick else WORLDS)
     repeats = args.repeats or (1 if args.quick else 3)
     load0 = os.getloadavg()
@@ -350,6 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"\nwrote {args.out}")
+    if not (args.quick or args.no_import_init):
+        _import_init(args)
+    return 0
+
+
+def _import_init(args: argparse.Namespace) -> int:
+    """The import / init table of init_import.py (a file of its own: it runs under Megatron's interpreter too)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import init_import
+
+    print("\nimport and initialisation apart (seconds beyond import torch.distributed; fresh process each):")
+    init_import.run(megatron_python=args.megatron_python)
     return 0
 
 

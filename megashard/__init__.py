@@ -15,9 +15,8 @@ so `megashard plan` starts without importing torch.
 """
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError, MegashardError, StateError, TransformerEngineMissingError
+from megashard._version import __version__
 from megashard.layout import RankLayout
-
-__version__ = "0.1.0"
 
 _LAZY = {"ParallelState", "destroy", "get_parallel_state", "initialize", "is_initialized", "set_parallel_state"}
 

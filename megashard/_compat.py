@@ -11,15 +11,24 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 
 
 # --- DTensor placement internals (used by megashard.tensors.shape / placements) ---------------------
-# `_StridedShard` is the placement FSDP2 gives a parameter whose dim is sharded by TP and FSDP at once.
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+# `_StridedShard` is the placement FSDP2 gives a parameter whose dim is sharded by TP and FSDP at once. It is
+# looked up on first use (module ``__getattr__`` below): importing DTensor costs ~0.5 s, and `import
+# megashard.parallel_state` must not pay it.
+def __getattr__(name: str):
+    if name == "_StridedShard":
+        from torch.distributed.tensor.placement_types import _StridedShard
 
-try:  # the plain-data core of DTensor's own local-shape/offset arithmetic (torch >= 2.9)
-    from torch.distributed.tensor._utils import (  # noqa: E402
-        _compute_local_shape_and_global_offset as _torch_local_shape_offset_at,
-    )
-except ImportError:  # pragma: no cover - moved or renamed in some release
-    _torch_local_shape_offset_at = None
+        return _StridedShard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _torch_local_shape_offset_fn():
+    """The plain-data core of DTensor's own local-shape/offset arithmetic (torch >= 2.9), or None."""
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - moved or renamed in some release
+        return None
+    return _compute_local_shape_and_global_offset
 
 
 def torch_compute_local_shape_and_global_offset(global_shape, mesh, placements):
@@ -31,9 +40,10 @@ def torch_compute_local_shape_and_global_offset(global_shape, mesh, placements):
 
 def torch_local_shape_and_offset_at(global_shape, mesh_shape, coordinate, placements):
     """PyTorch's answer for any mesh coordinate without a process group, or None if this torch lacks it."""
-    if _torch_local_shape_offset_at is None:
+    fn = _torch_local_shape_offset_fn()
+    if fn is None:
         return None
-    return _torch_local_shape_offset_at(global_shape, tuple(mesh_shape), list(coordinate), placements)
+    return fn(global_shape, tuple(mesh_shape), list(coordinate), placements)
 
 
 # --- autograd checkpoint guard (used by megashard.state.recompute) --------------------------------------

@@ -10,7 +10,7 @@ import yaml
 
 from megashard.config import ModulesConfig
 from megashard.errors import ConfigError
-from megashard.layout import Link, pair_modules
+from megashard.layout import Link, MultiModuleLayout, pair_modules
 from tests._dist import spawn_checks
 
 ISSUE_EXAMPLE = """
@@ -25,7 +25,7 @@ modules:
 
 
 def _multi(text, world):
-    return ModulesConfig.from_dict(yaml.safe_load(text)).resolve(world)
+    return MultiModuleLayout.from_config(ModulesConfig.from_dict(yaml.safe_load(text)), world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ modules:
 ])
 def test_config_errors(text, world, needle):
     with pytest.raises(ConfigError) as e:
-        ModulesConfig.from_dict(yaml.safe_load(text)).resolve(world)
+        MultiModuleLayout.from_config(ModulesConfig.from_dict(yaml.safe_load(text)), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 

@@ -36,10 +36,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-from megashard.checkpoint import rank_state
-from megashard.checkpoint.collective import dist_on, rank_world, unwrap_dcp_error
+from megashard.checkpoint.collective import dist_on, unwrap_dcp_error
 from megashard.checkpoint.planners import MegashardSavePlanner
-from megashard.checkpoint.saving import begin, check_arguments, finish, targets
+from megashard.checkpoint.saving import finish, start
 from megashard.checkpoint.state_dict import attach_uneven_layouts
 from megashard.checkpoint.storage import ChecksummingFileSystemWriter
 from megashard.errors import CheckpointError, MegashardError
@@ -154,12 +153,9 @@ class AsyncSaver:
         t0 = time.perf_counter()
         self.wait()
         phases = {"wait_previous": time.perf_counter() - t0}
-        rank, world = rank_world()
-        st = rank_state.current_state(parallel_state)
-        root, final, tmp = targets(root, step)
-        check_arguments(keep_last, checksum)
         t = time.perf_counter()
-        sd = begin(root, step, final, tmp, overwrite, None, None, None, sections, None)
+        root, final, tmp, sd, layout = start(root, step, keep_last=keep_last, checksum=checksum, overwrite=overwrite,
+                                             parallel_state=parallel_state, sections=sections)
         phases["agree_and_directory"] = time.perf_counter() - t
         group = self._background_group()
         if not dist_on():  # DCP's writer thread warns that one process is assumed: intended (warnings are global)
@@ -175,7 +171,6 @@ class AsyncSaver:
             raise unwrap_dcp_error(e) from None
         phases["stage_and_start"] = time.perf_counter() - t
         pending = _Pending(step, final, root)
-        layout = rank_state.layout_record(st, world)
 
         def complete() -> None:
             try:

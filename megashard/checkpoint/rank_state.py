@@ -25,7 +25,7 @@ from megashard.checkpoint import safety
 from megashard.checkpoint.planners import load_weights_only
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megashard.checkpoint.loading import LoadReport
+    from megashard.checkpoint.report import LoadReport
 
 __all__ = [
     "current_state",

@@ -83,12 +83,10 @@ def save(
 
     Returns: the path of the complete checkpoint.
     """
-    rank, world = rank_world()
-    st = rank_state.current_state(parallel_state)
-    root, final, tmp = targets(root, step)
-    check_arguments(keep_last, checksum)
     t0 = time.perf_counter()
-    sd = begin(root, step, final, tmp, overwrite, model, optimizer, state_dict, sections, data_state)
+    root, final, tmp, sd, layout = start(root, step, keep_last=keep_last, checksum=checksum, overwrite=overwrite,
+                                         parallel_state=parallel_state, model=model, optimizer=optimizer,
+                                         state_dict=state_dict, sections=sections, data_state=data_state)
 
     # Step 1: DCP writes the tensors, each replicated shard by one of its holders.
     attach_uneven_layouts(sd)
@@ -102,11 +100,25 @@ def save(
 
     removed = finish(writer, metadata, sd, root=root, final=final, tmp=tmp, step=step, checksum=checksum,
                      overwrite=overwrite, keep_last=keep_last, consumed_samples=consumed_samples, data_state=data_state,
-                     layout=rank_state.layout_record(st, world), job=job)
+                     layout=layout, job=job)
+    rank, world = rank_world()
     if rank == 0:
         logger.info("saved checkpoint %s (%d ranks, %.2f s)%s", final, world, time.perf_counter() - t0,
                     f"; retention removed {removed}" if removed else "")
     return final
+
+
+def start(root: str, step: int, *, keep_last: Optional[int], checksum: str, overwrite: bool, parallel_state=None,
+          model=None, optimizer=None, state_dict: Optional[dict] = None, sections: Optional[dict] = None,
+          data_state: Any = None) -> tuple[str, str, str, dict, dict]:
+    """The start of every save, synchronous or not: arguments checked, paths, step 0 (:func:`begin`: collective).
+    Returns ``(root, final, tmp, state dict, layout record)`` (absolute paths; the layout of ``parallel_state``)."""
+    _, world = rank_world()
+    st = rank_state.current_state(parallel_state)
+    root, final, tmp = targets(root, step)
+    check_arguments(keep_last, checksum)
+    sd = begin(root, step, final, tmp, overwrite, model, optimizer, state_dict, sections, data_state)
+    return root, final, tmp, sd, rank_state.layout_record(st, world)
 
 
 def targets(root: str, step: int) -> tuple[str, str, str]:
@@ -205,7 +217,7 @@ def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, chec
 
 def _megashard_version() -> str:
     try:
-        from megashard import __version__
+        from megashard._version import __version__
 
         return __version__
     except ImportError:  # pragma: no cover

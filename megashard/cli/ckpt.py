@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from megashard.cli.options import add_actions
 from megashard.errors import error_line
@@ -84,15 +85,24 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     return 1 if info.problems else 0
 
 
-def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
-    from megashard.checkpoint.consolidate import consolidate
+def _unless_corrupted(args: argparse.Namespace, fn: Any, *fn_args: Any, **fn_kwargs: Any) -> Any:
+    """``fn(...)``'s result, or None after one line on stderr naming the damaged checkpoint (the command exits 1)."""
     from megashard.errors import CheckpointCorruptedError
 
-    keys = {k.strip() for k in args.keys.split(",") if k.strip()} if args.keys else None
     try:
-        summary = consolidate(args.dir, args.out, verify=not args.no_verify, progress=not args.quiet, keys=keys)
+        return fn(*fn_args, **fn_kwargs)
     except CheckpointCorruptedError as e:
         print(error_line(args.parser.prog, e), file=sys.stderr)
+        return None
+
+
+def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
+    from megashard.checkpoint.consolidate import consolidate
+
+    keys = {k.strip() for k in args.keys.split(",") if k.strip()} if args.keys else None
+    summary = _unless_corrupted(args, consolidate, args.dir, args.out, verify=not args.no_verify,
+                                progress=not args.quiet, keys=keys)
+    if summary is None:
         return 1
     print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB) from {summary['path']}", file=sys.stderr)
@@ -101,15 +111,12 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
 
 def _cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     from megashard.cli.options import check_int
-    from megashard.errors import CheckpointCorruptedError
     from megashard.train.hf_io import export_hf
 
     check_int("--max-shard-mb", args.max_shard_mb, 1)
-    try:
-        s = export_hf(args.dir, args.out, config_path=args.config, max_shard_bytes=args.max_shard_mb << 20,
-                      overwrite=args.force)
-    except CheckpointCorruptedError as e:
-        print(error_line(args.parser.prog, e), file=sys.stderr)
+    s = _unless_corrupted(args, export_hf, args.dir, args.out, config_path=args.config,
+                          max_shard_bytes=args.max_shard_mb << 20, overwrite=args.force)
+    if s is None:
         return 1
     print(f"megashard ckpt export-hf: wrote {s['out']} ({s['class']}: {s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB "
           f"in {s['shards']} safetensors file(s)) from {s['path']}", file=sys.stderr)

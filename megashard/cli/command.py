@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of SUBCOMMANDS."""
-    from megashard import __version__
+    from megashard._version import __version__
 
     parser = _Parser(
         prog="megashard",

@@ -22,12 +22,19 @@ def add_config_arguments(p: argparse.ArgumentParser, config_help: str, overrides
     p.add_argument("overrides", metavar="key=value", nargs="*", help=overrides_help)
 
 
+def add_command(sub: argparse._SubParsersAction, name: str, help: str, description: str,
+                epilog: str) -> argparse.ArgumentParser:
+    """The parser of a command ``megashard NAME``: one-line ``help``, ``description``, and an ``epilog`` of examples
+    and exit codes printed as written."""
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_actions(sub: argparse._SubParsersAction, name: str, help: str, description: str,
-                 epilog: str) -> argparse._SubParsersAction:
+                epilog: str) -> argparse._SubParsersAction:
     """A command ``megashard NAME ACTION ...`` (without an ACTION it prints its help and exits 2); returns the
     subparsers to add its actions to (each with its own ``handler`` and ``parser``)."""
-    p = sub.add_parser(name, help=help, description=description, epilog=epilog,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help, description, epilog)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
     return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
 

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any, Iterable
 
-from megashard.cli.options import DEFAULT_CONFIG, check_int, check_output_path
+from megashard.cli.options import DEFAULT_CONFIG, add_command, check_int, check_output_path
 from megashard.config import ParallelConfig, check_world_size, parallel_section, yamlfile
 from megashard.errors import ConfigError
 
@@ -117,8 +117,8 @@ def parse_group_names(spec: str | None) -> list[str] | None:
 
 def add(sub: argparse._SubParsersAction) -> None:
     """``megashard plan``."""
-    p = sub.add_parser(
-        "plan",
+    p = add_command(
+        sub, "plan",
         help="show the rank layout of a config for any world size (no processes)",
         description=(
             "Resolve the parallel sizes of CONFIG's 'parallel:' section for a world size and show which ranks "
@@ -138,7 +138,6 @@ def add(sub: argparse._SubParsersAction) -> None:
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
                    help=f"job YAML with a 'parallel:' section (e.g. {DEFAULT_CONFIG}), a bare parallel config, or a "
@@ -246,7 +245,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
     placement = None
     if job is not None:
-        from megashard.models.stages import format_placement, model_placement
+        from megashard.train.placement import format_placement, model_placement
 
         placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
         plan["model_placement"] = placement
@@ -275,6 +274,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_plan_modules(args: argparse.Namespace, doc: dict[str, Any], flags: dict[str, Any], names: list[str] | None) -> int:
     """``megashard plan MODULES.yaml``: every module's ranks, sizes and groups, and the pairing across each seam."""
     from megashard.config import ModulesConfig
+    from megashard.layout.modules import MultiModuleLayout
     from megashard.layout.plan import plan_to_json
     from megashard.layout.plan_modules import build_modules_plan, format_modules_table
 
@@ -288,7 +288,7 @@ def _cmd_plan_modules(args: argparse.Namespace, doc: dict[str, Any], flags: dict
         raise ConfigError("--svg draws one layout; plan a module's own config for a picture")
     multi_config = ModulesConfig.from_dict(doc, args.config)
     world_size = args.world_size or launch_world_size(doc, args.config) or multi_config.min_world_size
-    multi = multi_config.resolve(world_size)
+    multi = MultiModuleLayout.from_config(multi_config, world_size)
     plan = build_modules_plan(multi, names)
     if args.format == "json":
         sys.stdout.write(plan_to_json({"config": args.config, **plan}) + "\n")

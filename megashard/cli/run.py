@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from megashard.cli.options import DEFAULT_CONFIG, add_config_arguments
+from megashard.cli.options import DEFAULT_CONFIG, add_command, add_config_arguments
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     """``megashard run``."""
-    p = sub.add_parser(
-        "run",
+    p = add_command(
+        sub, "run",
         help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
         description=(
             "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
@@ -29,7 +29,6 @@ def add(sub: argparse._SubParsersAction) -> None:
             "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage, or a checkpoint directory another live "
             "job holds (no process started)"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p, f"job YAML (e.g. {DEFAULT_CONFIG}); see docs/config.md",
                          "dotted overrides, e.g. train.steps=20 parallel.tp=1 launch.nproc_per_node=2")

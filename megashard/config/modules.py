@@ -15,21 +15,19 @@ feeding the model's first stage::
     launch: {nnodes: 1, nproc_per_node: 12}   # optional: the world size for `megashard plan`
 
 Each module's ``parallel`` section is a :class:`~megashard.config.ParallelConfig` resolved for its own number of
-ranks. Checked once, when built; :meth:`ModulesConfig.resolve` gives the
-:class:`~megashard.layout.modules.MultiModuleLayout` for a world size.
+ranks. Checked once, when built; :meth:`MultiModuleLayout.from_config
+<megashard.layout.modules.MultiModuleLayout.from_config>` gives every module's layout for a world size (the config
+does not know the layout).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from megashard.config.parallel import ParallelConfig
-from megashard.config.sizes import MAX_WORLD_SIZE, check_world_size
+from megashard.config.sizes import MAX_WORLD_SIZE
 from megashard.errors import ConfigError, unknown_names
-
-if TYPE_CHECKING:
-    from megashard.layout.modules import MultiModuleLayout
 
 __all__ = ["ModuleConfig", "ModulesConfig", "parse_rank_range"]
 
@@ -152,26 +150,3 @@ class ModulesConfig:
                 raise ConfigError(f"{path}: 'connect' must be a list of [src, dst] pairs of module names, got {raw!r}")
             connections = tuple((str(a), str(b)) for a, b in raw)
         return cls(tuple(modules), connections)
-
-    def resolve(self, world_size: int) -> "MultiModuleLayout":
-        """Every module's layout for a job of ``world_size`` ranks (ConfigError when a module does not fit it, or its
-        sizes do not fit its rank count — the message names the module)."""
-        from megashard.layout.modules import ModuleLayout, MultiModuleLayout
-        from megashard.layout.rank_layout import RankLayout
-
-        check_world_size(world_size)
-        if self.min_world_size > world_size:
-            last = max(self.modules, key=lambda m: m.last_rank)
-            raise ConfigError(f"module '{last.name}' uses ranks up to {last.last_rank}, but the world has {world_size} "
-                              f"ranks; give at least {self.min_world_size}")
-        layouts = []
-        for m in self.modules:
-            try:
-                layout = RankLayout(m.parallel.resolve(m.num_ranks))
-            except ConfigError as e:
-                raise ConfigError(f"module '{m.name}' (ranks {m.first_rank}-{m.last_rank}, {m.num_ranks} ranks): {e}") from None
-            layouts.append(ModuleLayout(m.name, m.first_rank, layout, m.parallel))
-        multi = MultiModuleLayout(tuple(layouts), self.connections, world_size)
-        for src, dst in self.connections:
-            multi.links(src, dst)  # a seam whose data-parallel sizes do not pair fails here, before any process
-        return multi

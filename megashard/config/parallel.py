@@ -97,7 +97,7 @@ class ParallelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "parallel") -> "ParallelConfig":
         """Build from a mapping, rejecting unknown keys with a "did you mean"."""
-        from megashard.config.yamlfile import reject_unknown_keys
+        from megashard.config.keys import reject_unknown_keys
 
         data = dict(data or {})
         reject_unknown_keys(cls, data, where)

@@ -2,18 +2,19 @@
 
 :func:`load_yaml` is the one place a config file is read and parsed (once per process: ``megashard plan``,
 ``megashard run`` and every worker each call it once), :func:`apply_overrides` applies ``key=value`` items to the
-parsed mapping, :func:`reject_unknown_keys` names misspelled keys of a section.
+parsed mapping; :func:`reject_unknown_keys` (in :mod:`megashard.config.keys`, re-exported) names misspelled keys
+of a section.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import yaml
 
-from megashard.errors import ConfigError, unknown_names
+from megashard.config.keys import reject_unknown_keys, yaml_key, yaml_keys  # noqa: F401 - re-exported (their old home)
+from megashard.errors import ConfigError
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -125,22 +126,3 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
         node[parts[-1]] = value
     return out
 
-
-def yaml_key(f: dataclasses.Field) -> str:
-    """The YAML key of a config field: its name, or ``metadata["yaml"]`` when the key is a Python keyword
-    (``checkpoint.async`` is the field ``async_save``)."""
-    return f.metadata.get("yaml", f.name)
-
-
-def yaml_keys(cls: type) -> dict[str, str]:
-    """YAML key -> field name of every field of dataclass ``cls``."""
-    return {yaml_key(f): f.name for f in dataclasses.fields(cls)}
-
-
-def reject_unknown_keys(cls: type, data: Mapping[str, Any], section: str) -> None:
-    """Raise ConfigError naming every key of ``data`` that is not a field of dataclass ``cls``, with a "did you mean"."""
-    names = list(yaml_keys(cls))
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {unknown_names(unknown, names, prefix=section + '.')}; valid keys of "
-                          f"'{section}': {', '.join(names)}")

@@ -8,7 +8,7 @@
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
-3. The checkpoint directory must not be held by another live job (:mod:`megashard.launch.ckptlock`): on a
+3. The checkpoint directory must not be held by another live job (:mod:`megashard.train.ckptlock`): on a
    single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Then a corpus
    the config can prepare (``data.prepare_inputs``) and that is missing is tokenized, once
    (:func:`megashard.train.data.ensure_corpus`), and checked against the model.
@@ -194,7 +194,7 @@ def lock_id(job: JobConfig) -> str:
 def _hold_checkpoint_dir(job: JobConfig):
     """On a single node take the checkpoint directory's lock for the run (returned; CheckpointLockedError if a
     live job holds it), on several leave it to the job's rank 0 (None)."""
-    from megashard.launch.ckptlock import CheckpointLock
+    from megashard.train.ckptlock import CheckpointLock
 
     if job.launch.nnodes > 1:
         return None  # checked in run(); a launcher per node cannot hold one lock
@@ -225,7 +225,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     job, s = plan.job, plan.sizes
     check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
-        from megashard.launch.ckptlock import check_free
+        from megashard.train.ckptlock import check_free
         from megashard.train.data import check_corpus, ensure_corpus
 
         # Refuse before anything is printed or written (one line); the lock is taken below.

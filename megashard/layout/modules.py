@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from megashard.config.modules import ModulesConfig
 from megashard.config.parallel import ParallelConfig
+from megashard.config.sizes import check_world_size
 from megashard.errors import ConfigError, unknown_names
 from megashard.layout.rank_layout import RankLayout
 
@@ -110,6 +112,27 @@ class MultiModuleLayout:
     modules: tuple[ModuleLayout, ...]
     connections: tuple[tuple[str, str], ...]
     world_size: int
+
+    @classmethod
+    def from_config(cls, config: ModulesConfig, world_size: int) -> "MultiModuleLayout":
+        """Every module's layout of ``config`` for a job of ``world_size`` ranks (ConfigError when a module does not
+        fit it, or its sizes do not fit its rank count — the message names the module)."""
+        check_world_size(world_size)
+        if config.min_world_size > world_size:
+            last = max(config.modules, key=lambda m: m.last_rank)
+            raise ConfigError(f"module '{last.name}' uses ranks up to {last.last_rank}, but the world has {world_size} "
+                              f"ranks; give at least {config.min_world_size}")
+        layouts = []
+        for m in config.modules:
+            try:
+                layout = RankLayout(m.parallel.resolve(m.num_ranks))
+            except ConfigError as e:
+                raise ConfigError(f"module '{m.name}' (ranks {m.first_rank}-{m.last_rank}, {m.num_ranks} ranks): {e}") from None
+            layouts.append(ModuleLayout(m.name, m.first_rank, layout, m.parallel))
+        multi = cls(tuple(layouts), config.connections, world_size)
+        for src, dst in config.connections:
+            multi.links(src, dst)  # a seam whose data-parallel sizes do not pair fails here, before any process
+        return multi
 
     def __iter__(self) -> Iterator[ModuleLayout]:
         return iter(self.modules)

@@ -18,16 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from megashard.config import ParallelConfig, ResolvedSizes
 from megashard.errors import ConfigError, did_you_mean
 from megashard.layout.grid import GroupMembers, RankGrid
-from megashard.layout.groups import (
-    DENSE_GROUPS,
-    DENSE_MESH_AXES,
-    EDGE_GROUPS,
-    EXPERT_GROUPS,
-    EXPERT_HSDP_MESH_AXES,
-    EXPERT_MESH_AXES,
-    GROUP_ALIASES,
-    GROUP_NAMES,
-)
+from megashard.layout.groups import (DENSE_GROUPS, DENSE_MESH_AXES, EDGE_GROUPS, EXPERT_GROUPS, EXPERT_HSDP_MESH_AXES,
+                                     EXPERT_MESH_AXES, GROUP_ALIASES, GROUP_NAMES)
 
 #: Megatron's ``get_embedding_ranks`` / ``get_position_embedding_ranks``: a pipeline group's ranks -> the ranks
 #: that hold the (position) embedding.

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megashard.errors import ConfigError
-from megashard.train.sections import ModelConfig
+from megashard.models.config import ModelConfig
 
 __all__ = ["Piece", "Entry", "mapping", "hf_config", "check_hf_config", "to_hf", "read_rows", "HF_ARCH"]
 

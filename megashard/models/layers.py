@@ -36,6 +36,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "copy_to_tp",
     "reduce_from_tp",
+    "all_reduce_sum",
     "gather_from_tp",
     "gather_seq",
     "vocab_parallel_cross_entropy",
@@ -83,17 +84,23 @@ def reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------- collectives
-class _CopyToTP(torch.autograd.Function):
+class _AllReduceInBackward(torch.autograd.Function):
+    """Gradient summed over ``group``. Forward: the identity (Megatron's ``f``), or with ``reduce`` a sum over the
+    group too, on a copy (a value every rank of the group then uses identically, e.g. MoE routing statistics)."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, reduce: bool = False) -> torch.Tensor:
+        ctx.group, ctx.reduce = group, reduce
+        if reduce:
+            x = x.clone()
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
-        g = g.contiguous()
+        g = g.clone() if ctx.reduce else g.contiguous()
         dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return g, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -138,7 +145,12 @@ class _GatherSeq(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Megatron's ``f``: identity forward, gradient all-reduced over ``group`` (input of a column-parallel layer)."""
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if group_size(group) == 1 else _AllReduceInBackward.apply(x, group)
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over ``group`` forward and backward (a copy of ``x``): for a value every rank of ``group`` uses alike."""
+    return _AllReduceInBackward.apply(x, group, True)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

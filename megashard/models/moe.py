@@ -19,8 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
-from megashard.models.layers import all_gather_dim0, group_rank, group_size, init_spec, reduce_scatter_dim0, scaled_std
-from megashard.train.sections import ModelConfig
+from megashard.models.layers import (
+    all_gather_dim0,
+    all_reduce_sum,
+    group_rank,
+    group_size,
+    init_spec,
+    reduce_scatter_dim0,
+    scaled_std,
+)
+from megashard.models.config import ModelConfig
 
 __all__ = ["MoE", "Experts"]
 
@@ -156,23 +164,6 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
     return out
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ``group`` whose backward sums too: for a value every rank of ``group`` then uses identically."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
 class _AttachAux(torch.autograd.Function):
     """Identity on ``x`` whose backward also starts the backward of the auxiliary loss ``aux`` (gradient 1): the
     load-balancing loss joins the gradient without joining the returned LM loss (Megatron's
@@ -217,7 +208,7 @@ class MoE(nn.Module):
         sums = torch.cat([p.sum(dim=1), counts, torch.full((b, 1), float(p.shape[1]), dtype=p.dtype,
                                                              device=p.device)], dim=1)
         if group_size(self.cp) > 1:  # whole sequences: sum the cp chunks
-            sums = _AllReduceSum.apply(sums, self.cp)
+            sums = all_reduce_sum(sums, self.cp)
         psum, cnt, tokens = sums[:, :E], sums[:, E:2 * E].detach(), sums[:, 2 * E:]
         f = cnt / (tokens * self.top_k)
         P = psum / tokens

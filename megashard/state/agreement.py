@@ -35,9 +35,9 @@ def fingerprint(config: Any, extra: Optional[Mapping[str, Any]] = None) -> dict[
     :class:`~megashard.config.ParallelConfig` ``config``, and ``extra`` (e.g. the rest of a job config)."""
     import torch
 
-    import megashard
+    from megashard._version import __version__
 
-    fields: dict[str, Any] = {"megashard": megashard.__version__, "torch": torch.__version__}
+    fields: dict[str, Any] = {"megashard": __version__, "torch": torch.__version__}
     for f in dataclasses.fields(config):
         fields[f"parallel.{f.name}"] = getattr(config, f.name)
     fields.update(extra or {})

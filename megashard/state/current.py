@@ -20,6 +20,7 @@ from megashard.layout import RankLayout
 from megashard.state.core import ParallelState
 from megashard.state.devices import init_distributed
 from megashard.state.layout_locals import LayoutLocals
+from megashard.state.pool import before_release_at_exit
 
 __all__ = ["current_locals", "destroy", "get_parallel_state", "initialize", "is_initialized", "set_parallel_state"]
 
@@ -87,3 +88,6 @@ def destroy() -> None:
     if state is not None:
         state.destroy()
     _DETACHED.reset()
+
+
+before_release_at_exit(destroy)  # at exit: the current state's meshes first, then the pool's groups

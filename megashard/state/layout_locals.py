@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from megashard.state.memory import GlobalMemoryBuffer
+from megashard.state.buffer import GlobalMemoryBuffer
 
 __all__ = ["LayoutLocals"]
 

@@ -14,14 +14,16 @@ comes from the layout's grid in one permute:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from megashard.layout import DENSE_MESH_AXES, EXPERT_MESH_AXES, RankLayout
 from megashard.layout.groups import EXPERT_HSDP_MESH_AXES
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh  # imported when a view is built (not at import)
 
 __all__ = ["VIEW_AXES", "build_view", "view_rank_tensor"]
 
@@ -67,6 +69,8 @@ def build_view(layout: RankLayout, view: str, groups: Mapping[str, dist.ProcessG
                rank_offset: int = 0) -> DeviceMesh:
     """The ``view`` mesh over this rank's ``groups`` (group name -> process group) of ``layout``, whose ranks start
     at global rank ``rank_offset`` (one module of a multi-module job)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     return DeviceMesh.from_group(
         [groups[n] for n in VIEW_AXES[view]], device_type,
         mesh=view_rank_tensor(layout, view) + rank_offset, mesh_dim_names=_VIEW_DIM_NAMES[view],

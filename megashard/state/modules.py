@@ -1,7 +1,7 @@
 """Multi-module jobs on a running world: each module's ParallelState, built by its own ranks only, and the bridge
 that moves activations and gradients across a seam.
 
-    multi = ModulesConfig.from_dict(yaml_doc).resolve(dist.get_world_size())
+    multi = MultiModuleLayout.from_config(ModulesConfig.from_dict(yaml_doc), dist.get_world_size())
     module, state = init_module_state(multi)            # (None, None) on a rank of no module: nothing is created
     bridge = ModuleBridge(multi, "encoder", "llm", state)
     bridge.send_forward(y)                               # encoder, last stage

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -30,6 +30,7 @@ _POOL: dict[tuple, dist.ProcessGroup] = {}
 _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
 _PLACEHOLDERS: list = [0]  # placeholder groups created so far (their pool keys)
+_BEFORE_RELEASE: list = []  # what runs at exit before the pool is released (before_release_at_exit)
 
 
 def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str,
@@ -90,10 +91,15 @@ def release_process_groups() -> None:
             pass
 
 
+def before_release_at_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at exit before the pool is released (:mod:`megashard.state.current` registers its ``destroy``, so
+    the current state's meshes let go of their groups first) — without this module importing the current state."""
+    _BEFORE_RELEASE.append(fn)
+
+
 def _release_at_exit() -> None:
     """At exit, for scripts that end without ``megashard.destroy()`` / ``end_distributed()``: the current state's
     meshes and the pool let go of their groups while Python is still fully alive."""
-    from megashard.state.current import destroy
-
-    destroy()
+    for fn in _BEFORE_RELEASE:
+        fn()
     release_process_groups()

@@ -173,8 +173,13 @@ def model_parallel_manual_seed(
     ep_rank: Optional[int] = None,
     expt_tp_rank: Optional[int] = None,
     force_reset_rng: bool = False,
+    *,
+    etp_rank: Optional[int] = None,
 ) -> dict[str, int]:
     """Seed this rank's streams the way Megatron-LM does, and return ``{stream name: seed}``.
+
+    Also Megatron-LM's ``model_parallel_cuda_manual_seed`` (the same function): its ``etp_rank`` keyword is
+    ``expt_tp_rank``; positional arguments are in Megatron's order.
 
     The device default generator gets ``seed`` (identical on every rank: data-parallel randomness);
     the tracker is reset and gets ``data-parallel-rng`` (seed), ``model-parallel-rng``
@@ -186,6 +191,10 @@ def model_parallel_manual_seed(
     yourself, and add a per-pipeline-stage offset to ``seed`` if stages must differ (Megatron's
     training loop uses seed + 100·pp_rank).
     """
+    if etp_rank is not None:
+        if expt_tp_rank is not None and expt_tp_rank != etp_rank:
+            raise ConfigError(f"expt_tp_rank={expt_tp_rank} and etp_rank={etp_rank} name the same rank; give one")
+        expt_tp_rank = etp_rank
     if tp_rank is None or ep_rank is None or expt_tp_rank is None:
         st_tp, st_ep, st_etp = _ranks_from_state()
         tp_rank = st_tp if tp_rank is None else tp_rank
@@ -202,17 +211,5 @@ def model_parallel_manual_seed(
     return seeds
 
 
-def model_parallel_cuda_manual_seed(
-    seed: int,
-    te_rng_tracker: bool = False,
-    inference_rng_tracker: bool = False,
-    use_cudagraphable_rng: bool = False,
-    tp_rank: Optional[int] = None,
-    ep_rank: Optional[int] = None,
-    etp_rank: Optional[int] = None,
-    force_reset_rng: bool = False,
-) -> dict[str, int]:
-    """Megatron-LM's name and signature for :func:`model_parallel_manual_seed` (``etp_rank`` = expt_tp rank)."""
-    return model_parallel_manual_seed(
-        seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, tp_rank, ep_rank, etp_rank, force_reset_rng
-    )
+#: Megatron-LM's name (its ``etp_rank=`` keyword is accepted).
+model_parallel_cuda_manual_seed = model_parallel_manual_seed

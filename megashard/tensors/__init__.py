@@ -24,7 +24,8 @@ from megashard.tensors.tp_attrs import (
     set_tensor_model_parallel_attributes,
     set_tensor_parallel_mode,
 )
-from megashard.tensors.uneven import (  # noqa: E402  (builds on shape.py)
+from megashard.tensors import uneven as _uneven  # noqa: E402  (builds on shape.py)
+from megashard.tensors.uneven import (  # noqa: E402
     gather_and_compute_chunk_metadata,
     gather_uneven_dtensor_to_full_tensor,
     preprocess_state_dict_for_uneven_dtensor,
@@ -37,14 +38,6 @@ from megashard.tensors.uneven import (  # noqa: E402  (builds on shape.py)
 
 __all__ = [
     "FSDP_MESH_AXES",
-    "gather_and_compute_chunk_metadata",
-    "gather_uneven_dtensor_to_full_tensor",
-    "preprocess_state_dict_for_uneven_dtensor",
-    "redistribute_uneven_dtensor_to_replicated",
-    "split_dtensor",
-    "uneven_dtensor_to_full_tensor",
-    "update_uneven_dtensor_chunk_metadata",
-    "validate_uneven_dtensor",
     "ShardedFlatParameter",
     "ShardedFlatTensor",
     "ShardingSpec",
@@ -67,3 +60,5 @@ __all__ = [
     "set_tensor_parallel_mode",
     "tp_placement",
 ]
+# ... and uneven's public names imported above (listed once, in megashard.tensors.uneven.__all__)
+__all__ += [n for n in _uneven.__all__ if not n.startswith("_") and n in globals()]

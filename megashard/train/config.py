@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from megashard.config import ParallelConfig, ResolvedSizes, check_world_size, fmt_divisors
-from megashard.config.yamlfile import yaml_key
+from megashard.config.keys import yaml_key
 from megashard.errors import ConfigError, unknown_names
 from megashard.train.sections import (  # noqa: F401  (the section classes are importable from here too)
     ARCHS,
@@ -329,7 +329,7 @@ class JobConfig:
             _need((m.hidden // m.heads) % 2 == 0,
                   f"model.arch=llama: the head size hidden/heads={m.hidden}/{m.heads} must be even (rotary pairs)")
         if m.init_from is not None:
-            from megashard.train.hf_io import check_init_from
+            from megashard.train.hf_dir import check_init_from
 
             check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")

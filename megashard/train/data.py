@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megashard.errors import ConfigError, DataError
-from megashard.train.config import JobConfig
 from megashard.train.sections import DataConfig, ModelConfig
+
+if TYPE_CHECKING:  # JobConfig.validate calls check_corpus: at run time the job is handed in, never imported
+    from megashard.train.config import JobConfig
 
 __all__ = ["Batches", "synthetic_sequences", "data_paths", "check_corpus", "ensure_corpus", "build_samples"]
 

@@ -23,25 +23,22 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from megashard.errors import CheckpointError, ConfigError, require_extra
-from megashard.models.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
+from megashard.errors import CheckpointError, ConfigError
+from megashard.models.hf import HF_ARCH, hf_config, hf_shapes, mapping, read_rows, to_hf
+from megashard.train.hf_dir import (  # noqa: F401 - check_init_from re-exported (its old home)
+    INDEX,
+    SINGLE,
+    _resolve_names,
+    _safetensors,
+    _weight_map,
+    check_init_from,
+)
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
     from megashard.train.config import JobConfig
 
 __all__ = ["export_hf", "check_init_from", "load_init_from", "job_of_checkpoint"]
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def _safetensors(what: str) -> Any:
-    require_extra("safetensors.torch", what, "hf")  # (imports the package and its torch helpers)
-    import safetensors
-
-    return safetensors
-
 
 # ---------------------------------------------------------------------------------------------- export
 def job_of_checkpoint(ckpt: str, config_path: Optional[str] = None) -> "JobConfig":
@@ -119,83 +116,6 @@ def _write_json(path: str, doc: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- init_from
-def _weight_map(root: str) -> dict[str, str]:
-    """Hugging Face tensor name -> safetensors file (absolute) of a model directory."""
-    index = os.path.join(root, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                wm = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"model.init_from: {index} is not a safetensors index ({e})") from None
-        return {k: os.path.join(root, v) for k, v in wm.items()}
-    single = os.path.join(root, SINGLE)
-    if not os.path.isfile(single):
-        raise ConfigError(f"model.init_from={root!r} holds neither {SINGLE} nor {INDEX}: give a Hugging Face model "
-                          "directory saved with safetensors (save_pretrained(..., safe_serialization=True))")
-    from safetensors import safe_open
-
-    try:
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise ConfigError(f"model.init_from: cannot read {single} ({type(e).__name__}: {e})") from None
-
-
-def _resolve_names(wm: dict[str, str], wanted: list[str]) -> dict[str, str]:
-    """Our Hugging Face names -> the names in the files (a bare GPT2Model / LlamaModel has no prefix)."""
-    out = {}
-    for name in wanted:
-        bare = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else None
-        out[name] = name if name in wm or bare is None or bare not in wm else bare
-    return out
-
-
-def check_init_from(job: "JobConfig") -> None:
-    """Every check of ``model.init_from`` that reads no tensor data (one-line :class:`ConfigError` s)."""
-    m = job.model
-    root = m.init_from
-    if root is None:
-        return
-    _safetensors("model.init_from")
-    from safetensors import safe_open
-
-    if not os.path.isdir(root):
-        raise ConfigError(f"model.init_from={root!r} is not a directory: give a Hugging Face model directory "
-                          "(config.json + *.safetensors)")
-    cfg_path = os.path.join(root, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"model.init_from={root!r} has no config.json: give a Hugging Face model directory") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.init_from: {cfg_path} is not valid JSON ({e})") from None
-    check_hf_config(doc, m, job.ffn_hidden, cfg_path)
-    wm = _weight_map(root)
-    shapes = hf_shapes(mapping(m, job.ffn_hidden))
-    names = _resolve_names(wm, list(shapes))
-    missing = [n for n in shapes if names[n] not in wm]
-    if missing:
-        raise ConfigError(f"model.init_from: {root} has no tensor {missing[0]!r} (model.arch={m.arch}, "
-                          f"model.tie_embeddings={str(m.tie_embeddings).lower()})")
-    by_file: dict[str, list[str]] = {}
-    for name in shapes:
-        by_file.setdefault(wm[names[name]], []).append(name)
-    for path, group in by_file.items():  # headers only: one open per file
-        try:
-            with safe_open(path, framework="pt") as f:
-                got = {name: tuple(f.get_slice(names[name]).get_shape()) for name in group}
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ConfigError(f"model.init_from: cannot read {path} ({type(e).__name__}: {e})") from None
-        for name in group:
-            want = shapes[name]
-            positions = name.endswith("wpe.weight") and got[name][1:] == want[1:] and got[name][0] >= want[0]
-            if got[name] != want and not positions:
-                raise ConfigError(f"model.init_from: tensor {names[name]!r} in {path} has shape {list(got[name])}, "
-                                  f"the model section needs {list(want)}")
-
-
 @torch.no_grad()
 def load_init_from(model: torch.nn.Module, job: "JobConfig", state: "ParallelState") -> None:
     """Fill the parallelized ``model`` (after ``fully_shard``) from ``model.init_from``; every rank reads only the

@@ -132,7 +132,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
 def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The parallelized model (initialised from the seed) and its AdamW, for the current layout.
 
-    With ``pp > 1`` the model is a :class:`~megashard.models.pipeline.PipelineModel` of this rank's stages
+    With ``pp > 1`` the model is a :class:`~megashard.train.pipeline.PipelineModel` of this rank's stages
     (:func:`megashard.models.stages.stage_specs`), each sharded with FSDP2 on its own.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -154,7 +154,7 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
 
     pp = state.size("pp")
     if pp > 1:
-        from megashard.models.pipeline import PipelineModel
+        from megashard.train.pipeline import PipelineModel
         from megashard.models.stages import stage_specs
 
         specs = stage_specs(job.model.layers, state.rank_in("pp"), pp, state.sizes.vpp or 1, job.train.pipeline_schedule)
@@ -308,7 +308,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         params = list(model.parameters())
         pipe = None
         if sizes.pp > 1:
-            from megashard.models.pipeline import Pipeline
+            from megashard.train.pipeline import Pipeline
 
             pipe = Pipeline(job, state, model)
         microbatches = job.microbatches(sizes.pp)
@@ -412,9 +412,9 @@ def job_fingerprint(job: JobConfig) -> dict[str, Any]:
 
 
 def _hold_checkpoint_dir(job: JobConfig) -> Any:
-    """Rank 0's lock of the checkpoint directory (:mod:`megashard.launch.ckptlock`): joined when the job's
+    """Rank 0's lock of the checkpoint directory (:mod:`megashard.train.ckptlock`): joined when the job's
     launcher holds it, taken (over, with a note, if stale) otherwise; raises if another live job holds it."""
-    from megashard.launch.ckptlock import CheckpointLock, job_id_from_env
+    from megashard.train.ckptlock import CheckpointLock, job_id_from_env
 
     lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=job_id_from_env())
     if lock.note:

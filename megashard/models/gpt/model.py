@@ -38,7 +38,7 @@ from megashard.models.layers import (
     scaled_std,
     vocab_parallel_cross_entropy,
 )
-from megashard.train.sections import ModelConfig
+from megashard.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState

@@ -50,7 +50,7 @@ class PipelineModel(nn.Module):
             yield from part.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def forward(self, *args: Any) -> Any:  # pragma: no cover - a pipeline runs through Pipeline.step
-        raise RuntimeError("a PipelineModel runs through megashard.models.pipeline.Pipeline.step, not model(...)")
+        raise RuntimeError("a PipelineModel runs through megashard.train.pipeline.Pipeline.step, not model(...)")
 
 
 def embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
