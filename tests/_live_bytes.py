@@ -59,6 +59,14 @@ class LiveBytes(TorchDispatchMode):
         if self.live > self.peak:
             self.peak, self.peak_op = self.live, what
 
+    def adopt(self, tensors: Any) -> None:
+        """Count tensors created before the mode (e.g. a model's parameters), so that views of them made under the mode
+        are not taken for new storages."""
+        for t in tensors:
+            for p in _plain(t):
+                self._track(p.untyped_storage())
+        self.reset_peak()
+
     def reset_peak(self) -> None:
         self.peak, self.peak_op = self.live, "reset"
 

@@ -25,6 +25,7 @@ the optimizer step (:func:`estimate_memory`). No torch import, no process: about
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +110,8 @@ def head_activation(s: JobShape, t: int, tp: int) -> tuple[int, int]:
 
 
 def inflight_microbatches(s: JobShape, pp: int, vpp: int, r: int, mb: int) -> float:
-    """Microbatches (in units of one of rank r's stages) whose activations pipeline rank r holds at once."""
+    """Microbatches whose activations pipeline rank r holds at once, in units of all of its stages' activations
+    for one microbatch (a fraction under interleaved schedules, where each unit is one virtual stage's)."""
     if pp == 1:
         return 1
     sched = s.schedule
@@ -117,8 +119,10 @@ def inflight_microbatches(s: JobShape, pp: int, vpp: int, r: int, mb: int) -> fl
         return mb
     if sched == "1f1b":
         return min(mb, pp - r)
-    # interleaved_1f1b / zbv: PyTorch's warm-up depth (vpp - 1) · pp + 2 · (pp - 1 - r), plus the one in flight
-    return min(mb * vpp, (vpp - 1) * pp + 2 * (pp - 1 - r) + 1)
+    # interleaved_1f1b / zbv: PyTorch's warm-up depth (vpp - 1) · mb_per_round + 2 · (pp - 1 - r) virtual-stage
+    # forwards, plus the one in flight; each holds one of the rank's vpp stages
+    per_round = mb // max(1, mb // pp)
+    return min(mb * vpp, (vpp - 1) * per_round + 2 * (pp - 1 - r) + 1) / vpp
 
 
 def _stages_of(s: JobShape, pp: int, vpp: int, r: int) -> list[tuple[bool, bool, list[int]]]:
@@ -249,5 +253,5 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             "transient": 0, "data": data}
     full.update(parts)
     return MemoryEstimate(peak=int(peak), rank=r, phase=phase, parts=full,
-                          activation_per_block=(kept[0] if kept else 0), inflight=int(inflight),
+                          activation_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
                           largest_moe_shard=moe_shard)
