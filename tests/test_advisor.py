@@ -255,7 +255,7 @@ def test_cli_without_config_uses_overrides(capsys):
     (["--suggest", "-w", "8"], "--suggest needs --device-memory SIZE"),
     (["--suggest", "--device-memory", "80GiB"], "--suggest needs --world-size N"),
     (["--suggest", "-w", "8", "--device-memory", "80GiB", "--tp", "2"], "--tp 2: --suggest chooses the parallel sizes"),
-    (["-w", "8", "--device-memory", "80GiB"], "--device-memory only apply with --suggest"),
+    (["-w", "8", "--device-memory", "80GiB"], "--device-memory only applies with --suggest"),
     (["--suggest", "-w", "8", "--device-memory", "80GiB", "--mfu", "2"], "--mfu 2.0: must be in (0, 1]"),
     (["--suggest", "-w", "8", "--device-memory", "80GiB", "--top", "0"], "--top 0: must be a positive integer"),
 ])

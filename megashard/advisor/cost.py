@@ -8,8 +8,8 @@ axis moves at the bandwidth of the links it crosses (docs/advisor.md).
 Assumptions (each a field of :class:`Hardware` or a line of docs/advisor.md):
 
 - compute: 6 flops per parameter and token for the matrix multiplies (forward 2, backward 4; 8 with recompute), the
-  causal attention's ``6 · seq · hidden`` per token and layer (12 with recompute… counted as 8/6 of it), each rank
-  doing ``1 / (tp · cp · dp)`` of its stage's work, at ``tflops · mfu``;
+  causal attention's ``6 · seq · hidden`` per token and layer (times 8/6 with recompute), each rank doing
+  ``1 / (tp · cp · dp)`` of its stage's work, at ``tflops · mfu``;
 - the pipeline bubble adds ``(pp - 1) / (vpp · microbatches)`` of the compute (1F1B, interleaved, GPipe);
 - collectives move ring-algorithm bytes per rank: all-reduce ``2 (n-1)/n · S``, all-gather and reduce-scatter
   ``(n-1)/n · S``, all-to-all ``(n-1)/n · S``; an axis whose groups fit in a node uses ``intra_gbps``, else
@@ -33,7 +33,7 @@ class Hardware:
     """The device and links the estimate assumes (defaults: an H100 SXM node with NVLink and 400 Gb/s InfiniBand)."""
 
     tflops: float = 989.0
-    """Peak dense bf16 tera-flops per device (fp32 jobs use ``tflops / 2``... see :meth:`flops`)."""
+    """Peak dense bf16 tera-flops per device (float32 jobs: times ``fp32_factor``, see :meth:`flops`)."""
     mfu: float = 0.45
     """Share of the peak a well-tuned step sustains on its matrix multiplies."""
     intra_gbps: float = 360.0

@@ -21,7 +21,7 @@ It counts what ``megashard run`` really keeps (docs/advisor.md has every formula
   the pipeline's receive buffers, the synthetic data.
 
 The peak is the largest of three phases: the end of forward / start of backward, the backward of each block, and
-the optimizer step (:func:`estimate_memory`). No torch import, no process: about 50 µs per layout.
+the optimizer step (:func:`estimate_memory`). No torch import, no process.
 """
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
     """Bytes one block saves for backward for ``t`` tokens on this rank (``[b, s/cp]`` flattened).
 
     ``gpt``: block input, LayerNorm outputs (2 · t·h) and their mean/rstd, the input of the second LayerNorm (t·h),
-    the fused QKV output (3 · t·h/tp: q, k, v are views of it), attention output and its copy reshaped for the
-    projection (2 · t·h/tp), attention log-sum-exp (t · heads/tp, fp32), fc1 and GELU outputs (2 · t·ffn/tp).
-    ``llama``: RMSNorm keeps its normalised input and output (2 · t·h each, plus an fp32 copy under bf16), rotary
-    keeps the rotated and the rotated-back q and k (4 · t·h/tp), SwiGLU four t·ffn/tp tensors. MoE blocks replace the
+    the fused QKV output (3 · t·h/tp: q, k, v are views of it), attention output (t·h/tp; SDPA returns it in the
+    projection's layout), attention log-sum-exp (t · heads/tp, fp32), fc1 and GELU outputs (2 · t·ffn/tp).
+    ``llama``: RMSNorm keeps its input, normalised input and output (t·h each; under bf16 an fp32 copy instead of the
+    input), SDPA the rotated q and k (2 · t·h/tp) besides v's QKV storage, the cos / sin tables cast per call, SwiGLU
+    four t·ffn/tp tensors. MoE blocks replace the
     MLP by the router's probabilities and, per routed (token, expert) pair, the expert's input, output and hidden
     activations (pairs = t·top_k/tp, spread evenly over the ep ranks).
     """

@@ -44,7 +44,7 @@ def check_not_suggest(args: argparse.Namespace) -> None:
     if args.device_memory is not None:
         used.insert(0, "--device-memory")
     if used:
-        raise ConfigError(f"{', '.join(used)} only apply with --suggest (the layout advisor); add --suggest or drop them")
+        raise ConfigError(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --suggest (the layout advisor); add --suggest or drop them")
 
 
 def _hardware(args: argparse.Namespace) -> Any:
