@@ -100,7 +100,7 @@ def test_parameter_count_is_the_models(arch, tie, experts):
     import torch
 
     from megashard.advisor.shape import JobShape, block_params, numel, root_params
-    from megashard.train.model import GPT
+    from megashard.models.gpt.model import GPT
     from megashard.train.sections import ModelConfig
 
     cfg = ModelConfig(arch=arch, vocab_size=512, hidden=128, layers=4, heads=4, seq_len=64, tie_embeddings=tie,
@@ -123,7 +123,7 @@ def test_saved_activations_are_exact(arch, dtype):
 
     from megashard.advisor.memory import block_activation, head_activation
     from megashard.advisor.shape import JobShape
-    from megashard.train.model import GPT
+    from megashard.models.gpt.model import GPT
     from megashard.train.sections import ModelConfig
     from tests._live_bytes import LiveBytes
 

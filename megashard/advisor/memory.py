@@ -127,7 +127,7 @@ def inflight_microbatches(s: JobShape, pp: int, vpp: int, r: int, mb: int) -> fl
 
 
 def _stages_of(s: JobShape, pp: int, vpp: int, r: int) -> list[tuple[bool, bool, list[int]]]:
-    from megashard.train.stages import stage_specs  # pure Python (no torch)
+    from megashard.models.stages import stage_specs  # pure Python (no torch)
 
     if pp == 1:
         return [(True, True, list(range(s.layers)))]

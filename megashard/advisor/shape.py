@@ -1,7 +1,7 @@
 """What the advisor needs to know of a job: the model's sizes, the batch and the precision, as plain numbers.
 
 :class:`JobShape` is read from a :class:`~megashard.train.config.JobConfig` (:meth:`JobShape.from_job`) and lists
-the parameters of the example model (:mod:`megashard.train.model`) per module, with their tensor-parallel local
+the parameters of the example model (:mod:`megashard.models.gpt.model`) per module, with their tensor-parallel local
 shapes (:func:`block_params`, :func:`root_params`): the same shapes ``GPT`` allocates, computed without torch.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 
 def default_ffn(arch: str, hidden: int) -> int:
     """``model.ffn_hidden: null``: 4 · hidden (gpt), 8/3 · hidden rounded up to 64 (llama) — as
-    :func:`megashard.train.model.default_ffn_hidden` (not imported: it loads torch)."""
+    :func:`megashard.models.gpt.model.default_ffn_hidden` (not imported: it loads torch)."""
     if arch == "llama":
         return -(-(8 * hidden) // (3 * 64)) * 64
     return 4 * hidden
