@@ -70,7 +70,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     from megashard.advisor.search import suggest
     from megashard.cli.options import check_int, check_output_path
     from megashard.cli.plan import flags_text, size_flags
-    from megashard.config import MAX_WORLD_SIZE, yamlfile
+    from megashard.config import yamlfile
 
     flags = size_flags(args)
     if flags:
@@ -109,7 +109,6 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         doc = yamlfile.apply_overrides(doc, list(args.overrides))
         job = JobConfig.from_dict(doc, name=os.path.splitext(os.path.basename(args.config))[0])
         job.validate_sections()
-    assert args.world_size <= MAX_WORLD_SIZE
     result = suggest(job, args.world_size, memory, args.ranks_per_node, hw)
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
     if args.format == "json":
