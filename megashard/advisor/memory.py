@@ -47,7 +47,9 @@ class MemoryEstimate:
     parts: dict[str, int] = field(default_factory=dict)
     """Bytes by kind at the peak: params, grads, optimizer, gathered, activations, logits, transient, data."""
     activation_per_block: int = 0
-    """Bytes one dense block saves for one microbatch (with recompute: its input only)."""
+    """Bytes the rank's first block saves for one microbatch without recompute."""
+    activation_kept_per_block: int = 0
+    """What it keeps between forward and backward in this layout (with recompute: its input only)."""
     inflight: int = 1
     """Microbatches whose activations one rank holds at once (pipeline rank ``rank``)."""
     largest_moe_shard: int = 0
@@ -254,5 +256,6 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             "transient": 0, "data": data}
     full.update(parts)
     return MemoryEstimate(peak=int(peak), rank=r, phase=phase, parts=full,
-                          activation_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
+                          activation_per_block=(acts[0] if acts else 0),
+                          activation_kept_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
                           largest_moe_shard=moe_shard)

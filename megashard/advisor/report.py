@@ -42,7 +42,8 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
     if c.memory is not None:
         m = c.memory
         out["memory"] = {"peak_bytes": m.peak, "rank": m.rank, "phase": m.phase, "parts": m.parts,
-                         "activation_per_block": m.activation_per_block, "inflight_microbatches": m.inflight,
+                         "activation_per_block": m.activation_per_block,
+                         "activation_kept_per_block": m.activation_kept_per_block, "inflight_microbatches": m.inflight,
                          "largest_moe_shard": m.largest_moe_shard}
     if c.cost is not None:
         k = c.cost
