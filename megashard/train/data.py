@@ -28,7 +28,7 @@ from megashard.errors import ConfigError, DataError
 from megashard.train.config import JobConfig
 from megashard.train.sections import DataConfig, ModelConfig
 
-__all__ = ["Batches", "synthetic_sequences", "data_paths", "check_corpus", "ensure_corpus", "build_samples"]
+__all__ = ["Batches", "synthetic_sequences", "data_paths", "blend_pairs", "check_corpus", "ensure_corpus", "build_samples"]
 
 
 def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
@@ -60,16 +60,38 @@ def data_paths(data: DataConfig) -> list[tuple[float, str]]:
                           f"got {data.prepare_inputs!r}")
     if data.blend is None:
         return [(1.0, data.path)]
+    return blend_pairs(data.blend)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def blend_pairs(blend: Any) -> list[tuple[float, str]]:
+    """``data.blend`` as ``[(weight, path), ...]``; ConfigError (one line) unless it is a non-empty list of
+    ``[weight, path]`` pairs with finite weights > 0 of a similar scale (:func:`megashard.data.blend.normalise_weights`)."""
+    import math
+
+    from megashard.data.blend import normalise_weights
+
     rule = "data.blend must be a non-empty list of [weight, path] pairs with weights > 0, e.g. [[0.7, data/a], [0.3, data/b]]"
-    if not isinstance(data.blend, list) or not data.blend:
-        raise ConfigError(f"{rule}; got {data.blend!r}")
+    if not isinstance(blend, list) or not blend:
+        raise ConfigError(f"{rule}; got {_short(blend)}")
     out = []
-    for item in data.blend:
-        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str)
-        ok = ok and isinstance(item[0], (int, float)) and not isinstance(item[0], bool) and item[0] > 0
+    for item in blend:
+        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str) and bool(item[1])
+        ok = ok and isinstance(item[0], (int, float)) and not isinstance(item[0], bool)
         if not ok:
-            raise ConfigError(f"{rule}; got the entry {item!r}")
+            raise ConfigError(f"{rule}; got the entry {_short(item)}")
+        if not (math.isfinite(item[0]) and item[0] > 0):
+            raise ConfigError(f"data.blend weight {item[0]!r} of {item[1]} must be a finite number > 0 (weights are "
+                              "relative: e.g. [[0.7, data/a], [0.3, data/b]])")
         out.append((float(item[0]), item[1]))
+    try:
+        normalise_weights([w for w, _ in out], names=[p for _, p in out])
+    except DataError as e:
+        raise ConfigError(f"data.{e}") from None
     return out
 
 
