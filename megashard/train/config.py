@@ -192,7 +192,11 @@ class JobConfig:
         if self.data.source == "indexed":
             from megashard.train.data import check_corpus
 
-            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
+            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits, the samples (check_samples)
+        else:
+            from megashard.train.data import check_samples
+
+            check_samples(self)  # what each worker would find: enough data for a training sample
         self.requested_checkpoint()
         return s
 
