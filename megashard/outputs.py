@@ -72,8 +72,8 @@ def check_output_file(option: str, path: str, *, reads: Iterable[str] = (), crea
         raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, example)}")
     if os.path.exists(path) and not os.path.isfile(path):
         raise ConfigError(f"{option} {path}: exists and is not a regular file (a device, pipe or socket)")
+    _check_not_input(option, path, reads, "file")  # first: the writability probe must not touch an input
     _check_parent(option, path, create_parents)
-    _check_not_input(option, path, reads, "file")
     return os.path.abspath(path)
 
 
@@ -86,6 +86,6 @@ def check_output_dir(option: str, path: str, *, reads: Iterable[str] = (), creat
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{option} {path}: is an existing file, not a directory; choose another path (or move "
                           "the file away)")
-    _check_parent(option, path, create_parents)
     _check_not_input(option, path, reads, "directory")
+    _check_parent(option, path, create_parents)
     return os.path.abspath(path)
