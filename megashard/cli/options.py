@@ -7,13 +7,38 @@ parser and sets ``handler`` (a function ``args -> exit code``); a command with a
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Any, Callable
 
 from megashard.errors import ConfigError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
 Handler = Callable[[argparse.Namespace], int]
+
+#: ``megashard plan`` flags for the ParallelConfig sizes: (field, type, help).
+SIZE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("tp", int, "tensor-parallel size"),
+    ("cp", int, "context-parallel size"),
+    ("pp", int, "pipeline-parallel size"),
+    ("vpp", int, "virtual pipeline stages per rank (needs --pp > 1)"),
+    ("dp", int, "data-parallel size (default: derived)"),
+    ("dp_outer", int, "HSDP replica count"),
+    ("dp_shard", int, "FSDP shard count inside a replica (default: derived)"),
+    ("ep", int, "expert-parallel size"),
+    ("expt_tp", int, "expert tensor-parallel size"),
+    ("expt_dp", int, "expert data-parallel size (default: derived)"),
+    ("order", str, "Megatron rank order, e.g. tp-cp-ep-dp-pp (leftmost fastest)"),
+)
+
+
+def size_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The ParallelConfig fields given as flags (``--tp 8`` -> ``{"tp": 8}``)."""
+    return {f: getattr(args, f"size_{f}") for f, _, _ in SIZE_FLAGS if getattr(args, f"size_{f}", None) is not None}
+
+
+def flags_text(flags: dict[str, Any]) -> str:
+    """``--tp 8 --pp 4`` for the report's header."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
 
 
 def add_config_arguments(p: argparse.ArgumentParser, config_help: str, overrides_help: str) -> None:
@@ -50,11 +75,8 @@ def check_int(option: str, value: int, low: int, high: int | None = None, note: 
 
 
 def check_output_path(option: str, path: str) -> None:
-    """ConfigError when ``path`` cannot be a new file: its directory is missing or it is a directory."""
-    import os
+    """ConfigError when ``path`` cannot be a new file (:func:`megashard.outputs.check_output_file`): it is a
+    directory, its directory is missing, lies under a file or is not writable."""
+    from megashard.outputs import check_output_file
 
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, 'layout.svg')}")
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{option} {path}: the directory {parent} does not exist; create it or write elsewhere")
+    check_output_file(option, path, example="layout.svg")
