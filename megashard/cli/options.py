@@ -7,6 +7,7 @@ parser and sets ``handler`` (a function ``args -> exit code``); a command with a
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable
 
 from megashard.errors import ConfigError
@@ -80,3 +81,16 @@ def check_output_path(option: str, path: str) -> None:
     from megashard.outputs import check_output_file
 
     check_output_file(option, path, example="layout.svg")
+
+
+def write_svg(path: str, svg: str, note: str = "") -> bool:
+    """Write the picture ``svg`` to ``path`` and say so on stderr (``note`` after the path); on an OSError one line
+    naming the path and the reason, and False (the command exits 1)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(svg)
+    except OSError as e:
+        print(f"megashard plan: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return False
+    print(f"megashard plan: wrote {path}{note}", file=sys.stderr)
+    return True

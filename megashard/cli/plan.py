@@ -23,6 +23,7 @@ from megashard.cli.options import (  # noqa: F401 - SIZE_FLAGS, size_flags, flag
     check_output_path,
     flags_text,
     size_flags,
+    write_svg,
 )
 from megashard.config import ParallelConfig, check_world_size, parallel_section, yamlfile
 from megashard.errors import ConfigError
@@ -251,14 +252,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if placement is not None:
             table += "\n".join(format_placement(placement)) + "\n"
         sys.stdout.write(table)
-    if svg is not None:
-        try:
-            with open(args.svg, "w", encoding="utf-8") as f:
-                f.write(svg)
-        except OSError as e:
-            print(f"megashard plan: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
-            return 1
-        print(f"megashard plan: wrote {args.svg}", file=sys.stderr)
+    if svg is not None and not write_svg(args.svg, svg):
+        return 1
     if args.strict and plan["locality"]["warnings"]:
         return 1
     return 0

@@ -68,7 +68,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
     from megashard.advisor.report import format_suggestion, parse_bytes, suggestion_dict
     from megashard.advisor.search import suggest
-    from megashard.cli.options import check_int, check_output_path, flags_text, size_flags
+    from megashard.cli.options import check_int, check_output_path, flags_text, size_flags, write_svg
     from megashard.config import yamlfile
 
     flags = size_flags(args)
@@ -127,11 +127,6 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         layout = RankLayout(best.resolved)
         svg = render_svg(layout, None, 0, args.ranks_per_node, args.svg_max_ranks,
                          locality(layout, args.ranks_per_node))
-        try:
-            with open(args.svg, "w", encoding="utf-8") as f:
-                f.write(svg)
-        except OSError as e:
-            print(f"megashard plan: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
+        if not write_svg(args.svg, svg, f" (layout #1: {best.label()})"):
             return 1
-        print(f"megashard plan: wrote {args.svg} (layout #1: {best.label()})", file=sys.stderr)
     return 0 if result.ranked else 1
