@@ -73,6 +73,13 @@ def test_readme_command_trains_and_writes_outputs(launches):
     ckpts = sorted(os.listdir(os.path.join(tmp, "plain", "checkpoints")))
     assert ckpts == [f"step_{s:08d}" for s in (2, 4, 6)], ckpts
     assert os.path.isfile(os.path.join(tmp, "plain", "config.yaml"))
+    # the hang doctor (train.doctor, on by default): every rank's record at the end, no hang
+    from megashard.doctor import read_run_dir, summarize
+
+    recs, bad = read_run_dir(os.path.join(tmp, "plain"))
+    assert sorted(recs) == [0, 1, 2, 3] and not bad, (sorted(recs), bad)
+    assert all(r["reason"] == "exit" and r["step"] == STEPS and not r["findings"] for r in recs.values()), recs[0]
+    assert recs[0]["groups"]["tp:0"]["seq"] > 0 and summarize(recs)["rows"] == []
 
 
 def test_fault_restarts_and_matches_uninterrupted_run(launches):

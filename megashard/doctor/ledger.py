@@ -51,7 +51,7 @@ class GroupTrack:
         return f"{self.name} [{shown}]"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One collective (or a batch of point-to-point operations) this rank started on a registered group."""
 
