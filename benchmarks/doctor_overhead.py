@@ -181,7 +181,8 @@ def main(argv=None) -> int:
           f"{(cpu_call['on'] - cpu_call['off']) * 1e6:+.1f} CPU µs per collective")
     out = {
         "benchmark": "doctor_overhead", "world_size": WORLD, "layout": "tp=2 x dp_shard=2", "steps_per_round": steps,
-        "rounds": rounds, "interval_s": args.interval, "median_step_s": med, "rounds_s": times, "ratio": ratio, "cpu_ratio": cpu_ratio,
+        "rounds": rounds, "interval_s": args.interval, "median_step_s": med, "rounds_s": times, "ratio": ratio,
+        "cpu_ratio": cpu_ratio,
         "median_cpu_s_per_step": cpu_step, "median_cpu_s_per_tp_all_reduce": cpu_call,
         "median_round_ratio": statistics.median(round_ratios), "goal_ratio": 1.02,
         "collectives_per_step_seen": res["seen_per_step"], "median_s_per_tp_all_reduce": per_call,

@@ -7,8 +7,8 @@
     megashard data prepare|inspect ...                    # tokenized training data (docs/data.md)
     megashard doctor RUN_DIR [--format table|json]        # which ranks a hung collective waited for (docs/doctor.md)
 
-Each subcommand lives in a module (:mod:`megashard.cli.plan`, ``run``, ``ckpt``, ``data``, ``doctor``) whose ``add(subparsers)``
-builds its parser and sets ``handler`` (a function ``args -> exit code``); shared pieces are in
+Each subcommand lives in a module (:mod:`megashard.cli.plan`, ``run``, ``ckpt``, ``data``, ``doctor``) whose
+``add(subparsers)`` builds its parser and sets ``handler`` (a function ``args -> exit code``); shared pieces are in
 :mod:`megashard.cli.options`. Exit codes: 0 success, 1 the command ran but found a problem (e.g. ``plan --strict``
 with locality warnings, an unwritable output file, a damaged checkpoint), 2 bad usage or an invalid config:
 one stderr line ``megashard <cmd>[ <action>]: error: ...`` (argparse's usage errors too), no traceback, no

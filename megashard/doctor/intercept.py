@@ -15,7 +15,8 @@ in the ``torch.distributed`` namespace *and* in ``torch.distributed.distributed_
 3. when torch raises (gloo's timeout, a peer that died), let the doctor diagnose before the error goes on.
 
 Calls made *inside* a wrapped call (``all_gather_object`` → ``all_gather``; ``batch_isend_irecv`` → ``isend``) are
-not counted again (a thread-local depth). Not seen: functional collectives (``torch.distributed._functional_collectives``,
+not counted again (a thread-local depth). Not seen: functional collectives
+(``torch.distributed._functional_collectives``,
 used by DTensor redistribution and ``torch.compile``: C++ ops, no Python function to wrap), collectives called through
 a name imported before the doctor was installed (``from torch.distributed import all_reduce``), and ProcessGroup methods
 called directly (``pg.allreduce(...)``).

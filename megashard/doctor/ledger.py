@@ -44,12 +44,6 @@ class GroupTrack:
     def name(self) -> str:
         return self.names[0]
 
-    def label(self) -> str:
-        """``tp [0, 1, 2, 3]`` (long groups shortened)."""
-        r = self.ranks
-        shown = ", ".join(map(str, r)) if len(r) <= 16 else f"{', '.join(map(str, r[:8]))}, … {r[-1]} ({len(r)} ranks)"
-        return f"{self.name} [{shown}]"
-
 
 @dataclass(eq=False, slots=True)
 class Call:
