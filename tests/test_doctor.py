@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from datetime import timedelta
 import os
 import time
 
@@ -21,10 +22,15 @@ DIR_ENV = "MEGASHARD_TEST_DOCTOR_DIR"
 
 
 def _start(**sizes):
+    import torch.distributed as dist
+
     import megashard.doctor as doctor
     import megashard.state as ms
     from megashard.config import ParallelConfig
 
+    # The default group has a long timeout (processes start seconds apart on a loaded machine): line up first, so
+    # megashard's set-up (its config check and groups, with the short timeout T) is not what times out.
+    dist.barrier()
     state = ms.initialize(ParallelConfig(timeout=T, **sizes))
     buf = io.StringIO()
     d = doctor.enable(state, out_dir=os.environ[DIR_ENV], stream=buf)
@@ -53,7 +59,7 @@ def _finish(d, buf, state) -> None:
 # ---------------------------------------------------------------------------------------------- rank 2 skips
 def check_skip_allreduce(rank, world_size):
     """tp=2 (tp [0,1], [2,3]; dp [0,2], [1,3]): every step an all-reduce on tp then on dp; in step 2 rank 2 skips
-    the tp one and goes to the final barrier. Rank 3 waits in tp #3 for rank 2; rank 1 in dp #3 for rank 3 (stuck in
+    the tp one and goes to the final barrier (asynchronous, waited for T). Rank 3 waits in tp #3 for rank 2; rank 1 in dp #3 for rank 3 (stuck in
     tp); ranks 0 and 2 in the barrier for ranks 1 and 3."""
     import torch
     import torch.distributed as dist
@@ -71,7 +77,8 @@ def check_skip_allreduce(rank, world_size):
             if not (rank == 2 and step == 2):
                 dist.all_reduce(t, group=state.group("tp"))
             dist.all_reduce(t, group=state.group("dp"))
-        dist.barrier()
+        # the default group's timeout is long here: wait T, as megashard's final barrier does (an async call)
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=T))
         raise AssertionError("the barrier finished although rank 2 skipped an all-reduce")
     except RuntimeError:
         pass
@@ -121,7 +128,7 @@ def check_pipeline_stage_stalls(rank, world_size):
         if step == 1:
             since = time.monotonic()
             if stage_index == 2:
-                time.sleep(T + 6)  # the stall: alive, in user code, no collective
+                time.sleep(T + 5.5)  # the stall: alive, in user code, no collective
                 assert not d.findings, d.findings
                 _finish(d, buf, state)
                 return
@@ -205,7 +212,7 @@ def _spawn(tmp_path_factory, check, world_size, name):
     old = os.environ.get(DIR_ENV)
     os.environ[DIR_ENV] = run_dir  # the spawned ranks inherit it
     try:
-        results = spawn_checks([check], world_size=world_size, pg_timeout=T, timeout=150)
+        results = spawn_checks([check], world_size=world_size, pg_timeout=60.0, timeout=150)
     finally:
         if old is None:
             del os.environ[DIR_ENV]
