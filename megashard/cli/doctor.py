@@ -29,27 +29,31 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from megashard.doctor.diagnose import format_table, read_run_dir, summarize
+    from megashard.doctor.diagnose import attempt_dirs, format_table, read_run_dir, summarize
     from megashard.errors import ConfigError
 
     if not os.path.isdir(args.run_dir):
         raise ConfigError(f"RUN_DIR {args.run_dir}: no such directory; give a job's train.out_dir (e.g. runs/default)")
-    records, bad = read_run_dir(args.run_dir)
-    for path in bad:
-        print(f"megashard doctor: warning: {path} is damaged or not a doctor record: skipped", file=sys.stderr)
-    if not records:
+    attempts = []
+    for label, d in attempt_dirs(args.run_dir):
+        records, bad = read_run_dir(d)
+        for path in bad:
+            print(f"megashard doctor: warning: {path} is damaged or not a doctor record: skipped", file=sys.stderr)
+        if records:
+            attempts.append((label, d, summarize(records)))
+    if not attempts:
         raise ConfigError(f"RUN_DIR {args.run_dir}: no doctor records (doctor/rank_<r>.json); the job ran without "
                           "the hang doctor (train.doctor=false) or never started")
-    s = summarize(records)
     if args.format == "json":
-        print(json.dumps(s, indent=1))
-    else:
-        ranks = s["ranks"]
-        print(f"megashard doctor: {args.run_dir}: records of {len(ranks)} of {s['world_size']} ranks; "
+        out = [dict(s, attempt=label, dir=d) for label, d, s in attempts]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+    for label, d, s in attempts if args.format == "table" else ():
+        where = args.run_dir if len(attempts) == 1 else f"{args.run_dir} ({label})"
+        print(f"megashard doctor: {where}: records of {len(s['ranks'])} of {s['world_size']} ranks; "
               f"{len(s['rows'])} hung operation(s)")
         print(format_table(s))
         if s["no_record"]:
             shown = ", ".join(map(str, s["no_record"][:16])) + (" …" if len(s["no_record"]) > 16 else "")
             print(f"no record from rank(s) {shown}: killed before they could write one (e.g. SIGKILL, out of memory) "
                   "or never started the doctor")
-    return 1 if s["rows"] else 0
+    return 1 if any(s["rows"] for _, _, s in attempts) else 0

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from megashard.doctor.ledger import describe_call
 
-__all__ = ["NO_HEARTBEAT", "diagnose", "format_table", "read_run_dir", "summarize"]
+__all__ = ["NO_HEARTBEAT", "attempt_dirs", "diagnose", "format_table", "read_run_dir", "summarize"]
 
 NO_HEARTBEAT = "no heartbeat: dead or stuck in user code"
 
@@ -99,6 +99,18 @@ def finding_line(f: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- after the fact
+def attempt_dirs(path: str) -> list[tuple[str, str]]:
+    """``(label, directory)`` of every attempt that left records under run directory ``path``: ``doctor/`` (the
+    first attempt) and ``doctor/restart_<k>/`` (after torchrun restart k), in order."""
+    d = os.path.join(path, "doctor")
+    if not os.path.isdir(d):
+        return [("records", path)] if os.path.isdir(path) else []
+    out = [("first attempt", d)]
+    restarts = [n for n in os.listdir(d) if n.startswith("restart_") and n[8:].isdigit()]
+    out += [(f"restart {n[8:]}", os.path.join(d, n)) for n in sorted(restarts, key=lambda n: int(n[8:]))]
+    return out
+
+
 def read_run_dir(path: str) -> tuple[dict[int, dict], list[str]]:
     """The records ranks left in ``path/doctor/rank_<r>.json`` (or ``path`` itself holding them): rank -> record,
     and the names of files that could not be read."""

@@ -60,7 +60,9 @@ class Doctor:
 
     Args:
         timeout: seconds after which an open call is a hang (``parallel.timeout``).
-        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files).
+        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), after a torchrun
+            restart (``TORCHELASTIC_RESTART_COUNT`` k > 0) to ``<out_dir>/doctor/restart_<k>/``, so that the records of
+            the attempt that hung are kept.
         interval: seconds between publications (default :func:`default_interval`).
         store: a ``torch.distributed.Store`` (default: the default group's, cloned).
         stream: where the line goes (default stderr).
@@ -196,12 +198,17 @@ class Doctor:
         """A wrapped call raised: a timeout or a lost peer is a hang to report (other errors are the caller's)."""
         if isinstance(exc, RuntimeError) and self._thread is not None:
             try:
-                self.report(call)
+                self.report(call, quick=True)
             except Exception:  # noqa: BLE001 - never mask the collective's own error
                 pass
 
-    def report(self, call: Call) -> Optional[dict[str, Any]]:
-        """Diagnose ``call`` (once per hang), print its line and write this rank's file; returns the finding."""
+    def report(self, call: Call, quick: bool = False) -> Optional[dict[str, Any]]:
+        """Diagnose ``call`` (once per hang), print its line and write this rank's file; returns the finding.
+
+        A peer is dead when its heartbeat did not advance between two reads at least 3 intervals apart (the first read
+        is the one on suspicion; without it this waits for the second) or when its pid is gone on this host.
+        ``quick`` (torch raised from the call: the process is going down): no waiting — without an old enough read,
+        the heartbeat of a peer on another host is unknown."""
         with self._lock:
             if call.cid in self._reported:
                 return None
@@ -210,19 +217,21 @@ class Doctor:
             peers = self._peers_of(call)
             window = 3 * self.interval + 0.5
             snap = self._snap.get(call.cid)
-            if snap is None or time.monotonic() - snap[0] < window:
+            if not quick and (snap is None or time.monotonic() - snap[0] < window):
                 if snap is None:
                     snap = (time.monotonic(), self._read(peers))
                 time.sleep(max(0.0, snap[0] + window - time.monotonic()))
+            beats_known = snap is not None and time.monotonic() - snap[0] >= window
             records = self._read(peers)
-            alive = {}
+            alive: dict[int, Optional[bool]] = {}
             for r in peers:
-                before, now = snap[1].get(r), records.get(r)
+                before, now = (snap[1].get(r) if snap else None), records.get(r)
                 if now is None:
                     records[r] = before  # the store may be gone: what was read on suspicion
-                    alive[r] = None if before is None else False
+                    alive[r] = None if before is None or not beats_known else False
                     continue
-                alive[r] = before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))
+                alive[r] = (None if before is None or not beats_known
+                            else int(now.get("beat", 0)) > int(before.get("beat", 0)))
                 if now.get("state") in ("exited", "failed") or (
                         now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1)))):
                     alive[r] = False
@@ -247,6 +256,9 @@ class Doctor:
         rec = self.ledger.record(self.beat)
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
         d = os.path.join(self.out_dir, "doctor")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart.isdigit() and int(restart) > 0:
+            d = os.path.join(d, f"restart_{int(restart)}")
         path = os.path.join(d, f"rank_{self.ledger.rank}.json")
         try:
             os.makedirs(d, exist_ok=True)
