@@ -20,10 +20,10 @@ from __future__ import annotations
 import atexit
 from typing import IO, Any, Optional
 
-from megashard.doctor.diagnose import NO_HEARTBEAT, format_table, read_run_dir, summarize
+from megashard.doctor.diagnose import NO_HEARTBEAT, attempt_dirs, format_table, read_run_dir, summarize
 from megashard.doctor.watch import Doctor, default_interval
 
-__all__ = ["Doctor", "NO_HEARTBEAT", "current", "default_interval", "disable", "enable", "format_table",
+__all__ = ["Doctor", "NO_HEARTBEAT", "attempt_dirs", "current", "default_interval", "disable", "enable", "format_table",
            "read_run_dir", "set_step", "summarize"]
 
 _CURRENT: list[Optional[Doctor]] = [None]

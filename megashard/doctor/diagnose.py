@@ -136,7 +136,7 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
     and every rank named as not reaching it (first description wins), plus ranks that left no record."""
     rows: dict[tuple, dict[str, Any]] = {}
     for rank in sorted(records):
-        for f in records[rank].get("findings") or []:
+        for f in records[rank].get("findings") or _after_the_fact(rank, records):
             key: tuple = (f["group"], f["op"], f["seq"])
             if f.get("p2p"):  # point-to-point: one row per waiting rank (its peers differ)
                 key = (f["group"], f["op"], f["rank"])
@@ -149,6 +149,19 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
     world = max((int(r.get("world_size", 0)) for r in records.values()), default=0)
     return {"rows": list(rows.values()), "world_size": world, "ranks": sorted(records),
             "no_record": [r for r in range(world) if r not in records]}
+
+
+def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str, Any]]:
+    """A rank stopped inside a call before its own report (e.g. stopped by torchrun after a peer died): the finding
+    from the files the ranks left — a rank without a file counts as dead, one whose doctor ended as gone."""
+    rec = records[rank]
+    opened = rec.get("open") or []
+    if rec.get("reason") == "exit" or not opened or not opened[0].get("ranks"):
+        return []
+    call = opened[0]
+    peers = {p for _, p, _ in call["p2p"]} if call.get("p2p") else set(call["ranks"]) - {rank}
+    alive = {r: False if r not in records or records[r].get("state") in ("exited", "failed") else None for r in peers}
+    return [diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)))]
 
 
 def format_table(summary: Mapping[str, Any]) -> str:

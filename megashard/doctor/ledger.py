@@ -167,8 +167,8 @@ class Ledger:
             failed = False
             for x in works:
                 try:
-                    failed = failed or (hasattr(x, "is_success") and not x.is_success())
-                except RuntimeError:
+                    failed = failed or x.exception() is not None  # (is_success() is deprecated and warns)
+                except Exception:  # noqa: BLE001 - a Work that cannot say: count it as failed
                     failed = True
             if failed and on_failed is not None:
                 on_failed(call)
@@ -196,7 +196,7 @@ class Ledger:
         return {
             "rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": self.pid, "beat": beat,
             "time": time.time(), "step": self.step, "groups": groups,
-            "open": [c.summary(now) for c in open_calls[:4]],
+            "open": [dict(c.summary(now), ranks=list(c.track.ranks)) for c in open_calls[:4]],
             "last": self.last.summary() if self.last is not None else None,
             "idle_s": round(now - self.last_end, 3) if not open_calls else 0.0,
         }

@@ -205,41 +205,60 @@ class Doctor:
     def report(self, call: Call, quick: bool = False) -> Optional[dict[str, Any]]:
         """Diagnose ``call`` (once per hang), print its line and write this rank's file; returns the finding.
 
-        A peer is dead when its heartbeat did not advance between two reads at least 3 intervals apart (the first read
-        is the one on suspicion; without it this waits for the second) or when its pid is gone on this host.
-        ``quick`` (torch raised from the call: the process is going down): no waiting — without an old enough read,
-        the heartbeat of a peer on another host is unknown."""
+        ``quick``: torch raised from the call (its timeout, a lost peer); the same diagnosis (:meth:`_examine`), which
+        waits at most ``2 · interval + 0.5`` s for fresh records when there was no read on suspicion."""
         with self._lock:
             if call.cid in self._reported:
                 return None
             self._reported = set(self.ledger.open) | {call.cid}
             waited = time.monotonic() - call.t0
-            peers = self._peers_of(call)
-            window = 3 * self.interval + 0.5
-            snap = self._snap.get(call.cid)
-            if not quick and (snap is None or time.monotonic() - snap[0] < window):
-                if snap is None:
-                    snap = (time.monotonic(), self._read(peers))
-                time.sleep(max(0.0, snap[0] + window - time.monotonic()))
-            beats_known = snap is not None and time.monotonic() - snap[0] >= window
-            records = self._read(peers)
-            alive: dict[int, Optional[bool]] = {}
-            for r in peers:
-                before, now = (snap[1].get(r) if snap else None), records.get(r)
-                if now is None:
-                    records[r] = before  # the store may be gone: what was read on suspicion
-                    alive[r] = None if before is None or not beats_known else False
-                    continue
-                alive[r] = (None if before is None or not beats_known
-                            else int(now.get("beat", 0)) > int(before.get("beat", 0)))
-                if now.get("state") in ("exited", "failed") or (
-                        now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1)))):
-                    alive[r] = False
+            self._publish()  # peers diagnosing now see this call open
+            self.write("hang")  # first what this rank knows (the process may be stopped while it waits for peers)
+            records, alive = self._examine(self._peers_of(call), self._snap.get(call.cid))
             finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited)
             self.findings.append(finding)
             self._say(finding["line"])
             self.write("hang")
             return finding
+
+    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict]:
+        """The peers' records, fresh, and whether each is alive: a live peer publishes a newer record (a higher beat)
+        than the first read within ``2 · interval + 0.5`` s; one that does not — or whose pid is gone on this host,
+        or whose doctor ended — is not. The first read is the one on suspicion when there was one (then usually no
+        waiting at all), else one taken now."""
+        if snap is None:
+            snap = (time.monotonic(), self._read(peers))
+        first = snap[1]
+        deadline = snap[0] + 2 * self.interval + 0.5
+        records: dict[int, Optional[dict]] = {}
+        alive: dict[int, Optional[bool]] = {}
+        waiting = list(peers)
+        while True:
+            for r, rec in self._read(waiting).items():
+                if rec is not None:
+                    records[r] = rec
+            still = []
+            for r in waiting:
+                before, now = first.get(r), records.get(r)
+                if now is not None and (before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))):
+                    alive[r] = True
+                elif now is not None and (now.get("state") in ("exited", "failed") or (
+                        now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))))):
+                    alive[r] = False
+                else:
+                    still.append(r)
+            waiting = still
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.2, self.interval / 2))
+        for r in waiting:  # no newer record before the deadline: no heartbeat
+            if records.get(r) is None:
+                records[r] = first.get(r)  # the store may be gone: what was read first
+            alive[r] = False if records.get(r) is not None else None
+        for r, rec in records.items():  # a process that ended is not alive, whatever its last beat
+            if rec is not None and rec.get("state") in ("exited", "failed"):
+                alive[r] = False
+        return records, alive
 
     def _say(self, line: str) -> None:
         stream = self.stream or sys.stderr
