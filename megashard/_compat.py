@@ -260,3 +260,11 @@ def install_numpy_free_object_collectives() -> bool:
 
 
 install_numpy_free_object_collectives()
+
+
+# --- the default group's store (megashard.doctor publishes each rank's record there) -------------------------------
+def default_store():
+    """The store the default process group was created with (torchrun's TCPStore, a FileStore, ...)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()

@@ -73,6 +73,13 @@ def test_readme_command_trains_and_writes_outputs(launches):
     ckpts = sorted(os.listdir(os.path.join(tmp, "plain", "checkpoints")))
     assert ckpts == [f"step_{s:08d}" for s in (2, 4, 6)], ckpts
     assert os.path.isfile(os.path.join(tmp, "plain", "config.yaml"))
+    # the hang doctor (train.doctor, on by default): every rank's record at the end, no hang
+    from megashard.doctor import read_run_dir, summarize
+
+    recs, bad = read_run_dir(os.path.join(tmp, "plain"))
+    assert sorted(recs) == [0, 1, 2, 3] and not bad, (sorted(recs), bad)
+    assert all(r["reason"] == "exit" and r["step"] == STEPS and not r["findings"] for r in recs.values()), recs[0]
+    assert recs[0]["groups"]["tp:0"]["seq"] > 0 and summarize(recs)["rows"] == []
 
 
 def test_fault_restarts_and_matches_uninterrupted_run(launches):
@@ -95,6 +102,18 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     got = read_metrics(os.path.join(tmp, "fault", "metrics.jsonl"))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # steps 3-4 of the failed attempt were dropped
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/): the ranks that lost
+    # their peers named rank 1, which left no record (os._exit).
+    from megashard.doctor import attempt_dirs, read_run_dir, summarize
+
+    dirs = attempt_dirs(os.path.join(tmp, "fault"))
+    assert [label for label, _ in dirs] == ["first attempt", "restart 1"], dirs
+    first, _ = read_run_dir(dirs[0][1])
+    assert 1 not in first and first, sorted(first)
+    rows = summarize(first)["rows"]
+    assert 1 in {r for row in rows for r in row["culprits"]}, rows
+    again, _ = read_run_dir(dirs[1][1])
+    assert sorted(again) == [0, 1, 2, 3] and not any(r["findings"] for r in again.values())
     a = read_full_model(os.path.join(tmp, "plain", "checkpoints"))
     b = read_full_model(os.path.join(tmp, "fault", "checkpoints"))
     assert sorted(a) == sorted(b) and len(a) == 29

@@ -5,9 +5,10 @@
     megashard run CONFIG [key=value ...] [--dry-run]      # train the example job through torchrun (docs/train.md)
     megashard ckpt inspect|consolidate ...                # checkpoints offline (docs/checkpoint_io.md)
     megashard data prepare|inspect ...                    # tokenized training data (docs/data.md)
+    megashard doctor RUN_DIR [--format table|json]        # which ranks a hung collective waited for (docs/doctor.md)
 
-Each subcommand lives in a module (:mod:`megashard.cli.plan`, ``run``, ``ckpt``, ``data``) whose ``add(subparsers)``
-builds its parser and sets ``handler`` (a function ``args -> exit code``); shared pieces are in
+Each subcommand lives in a module (:mod:`megashard.cli.plan`, ``run``, ``ckpt``, ``data``, ``doctor``) whose
+``add(subparsers)`` builds its parser and sets ``handler`` (a function ``args -> exit code``); shared pieces are in
 :mod:`megashard.cli.options`. Exit codes: 0 success, 1 the command ran but found a problem (e.g. ``plan --strict``
 with locality warnings, an unwritable output file, a damaged checkpoint), 2 bad usage or an invalid config:
 one stderr line ``megashard <cmd>[ <action>]: error: ...`` (argparse's usage errors too), no traceback, no
@@ -19,13 +20,13 @@ import argparse
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from megashard.cli import ckpt, data, plan, run
+from megashard.cli import ckpt, data, doctor, plan, run
 from megashard.cli.options import Handler
 from megashard.errors import MegashardError, error_line
 
 
 #: Every subcommand's parser builder, in --help order. A new subcommand: a module with `add(sub)`, appended here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [plan.add, run.add, ckpt.add, data.add]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [plan.add, run.add, ckpt.add, data.add, doctor.add]
 
 
 class _Parser(argparse.ArgumentParser):

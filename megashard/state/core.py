@@ -314,6 +314,12 @@ class ParallelState:
                              f"group: its pipeline's is {self.ranks(name)}; test state.in_group('{name}') first")
         return pg
 
+    def named_groups(self) -> dict[str, dist.ProcessGroup]:
+        """Every group this rank belongs to, by megashard's name (aliases of one communicator map to the same object;
+        gloo twins not included). A copy: for tools that watch the groups, e.g. :mod:`megashard.doctor`."""
+        self._check_alive()
+        return dict(self._groups)
+
     def in_group(self, name: str) -> bool:
         """Whether this rank is in a ``name`` group (False only for ``embd``/``pos_embd`` off the embedding stages)."""
         self._check_name(name)

@@ -276,8 +276,10 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         state = ms.get_parallel_state()
     rank = dist.get_rank()
     t = job.train
-    lock = saver = None
+    lock = saver = doc = None
+    finished = False
     try:
+        doc = _start_doctor(job, state)
         if own_state:
             sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
         else:  # someone else's state: the job's own sizes must be the state's
@@ -323,6 +325,8 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         t_start = time.perf_counter()
         for step in range(start, t.steps):
             t0 = time.perf_counter()
+            if doc is not None:
+                doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
             lr = lr_at(step, job)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -380,8 +384,13 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
         # groups down while another still runs (then the worker ends its groups: end_distributed).
         _final_barrier(job.parallel.timeout)
+        finished = True
         return result
     finally:
+        if doc is not None:  # first: its file, and torch's functions back before the groups go
+            import megashard.doctor
+
+            megashard.doctor.disable("exit" if finished else "failure")
         if saver is not None:  # an error interrupted training: let the save in flight finish (or fail) first
             try:
                 saver.close()
@@ -391,6 +400,18 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             lock.release()
         if own_state:
             ms.destroy()
+
+
+def _start_doctor(job: JobConfig, state: ParallelState) -> Any:
+    """The hang doctor of this rank (``train.doctor``) over the state's groups, writing to the run directory; None
+    when it is off, on one rank, or already enabled by the caller's script (which then owns it)."""
+    if not job.train.doctor or dist.get_world_size() == 1:
+        return None
+    import megashard.doctor
+
+    if megashard.doctor.current() is not None:
+        return None
+    return megashard.doctor.enable(state, timeout=job.parallel.timeout, out_dir=job.out_dir)
 
 
 def _final_barrier(timeout: float) -> None:

@@ -60,6 +60,12 @@ class TrainConfig:
     reshard_between_microbatches: bool = False
     """With a pipeline: FSDP frees the gathered parameters after every microbatch's forward (less memory, one
     all-gather per microbatch) instead of keeping them until the step's backward is done."""
+    doctor: bool = True
+    """The hang doctor (docs/doctor.md): when a collective on a megashard group does not finish within
+    ``parallel.timeout``, every waiting rank prints one line naming the group, the operation and the ranks that never
+    reached it (and what they do instead), and every rank writes ``<out_dir>/doctor/rank_<r>.json`` (on a hang and at
+    the end) for ``megashard doctor OUT_DIR``. Costs an in-memory counter per collective and one small store write per
+    rank every ``parallel.timeout``/10 s (0.2 to 5 s); ``false`` = off."""
 
 
 @dataclass

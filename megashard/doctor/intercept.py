@@ -1,0 +1,168 @@
+"""Seeing every collective on a registered group: torch.distributed's functions wrapped while the doctor is on.
+
+While a :class:`~megashard.doctor.watch.Doctor` is installed, the collective and point-to-point functions of
+``torch.distributed`` (the names in :data:`COLLECTIVES` and :data:`POINT_TO_POINT` that this torch has) are replaced,
+in the ``torch.distributed`` namespace *and* in ``torch.distributed.distributed_c10d`` (so that ``P2POp(dist.isend,
+...)`` passes torch's own check that its op is ``isend``), by wrappers that
+
+1. look the ``group`` argument up by identity in the ledger (``None`` = the default group) — a group the doctor does
+   not know goes straight through;
+2. count the call on the group (:meth:`Ledger.begin <megashard.doctor.ledger.Ledger.begin>`: an integer and a small
+   object, no store, no lock), call torch, and close it when it returns — an ``async_op=True`` call (and
+   ``isend``/``irecv``/``batch_isend_irecv``) stays open until the background thread sees its Work
+   ``is_completed()``; on NCCL a synchronous call is only enqueued when it returns, so a CUDA event recorded after it
+   tells when it finished;
+3. when torch raises (gloo's timeout, a peer that died), let the doctor diagnose before the error goes on.
+
+Calls made *inside* a wrapped call (``all_gather_object`` → ``all_gather``; ``batch_isend_irecv`` → ``isend``) are
+not counted again (a thread-local depth). Not seen: functional collectives
+(``torch.distributed._functional_collectives``,
+used by DTensor redistribution and ``torch.compile``: C++ ops, no Python function to wrap), collectives called through
+a name imported before the doctor was installed (``from torch.distributed import all_reduce``), and ProcessGroup methods
+called directly (``pg.allreduce(...)``).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = ["COLLECTIVES", "POINT_TO_POINT", "install", "uninstall", "installed"]
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
+    "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce",
+    "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "all_gather_object",
+    "gather_object", "broadcast_object_list", "scatter_object_list",
+)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+_ACTIVE: list = [None]  # the installed Doctor
+_ORIGINALS: dict[str, Callable] = {}
+_TLS = threading.local()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)
+
+
+def _param_index(fn: Callable, name: str) -> int:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return -1
+    return params.index(name) if name in params else -1
+
+
+def _arg(args: tuple, kwargs: dict, name: str, idx: int, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[idx] if 0 <= idx < len(args) else default
+
+
+class _EventProbe:
+    """``is_completed()`` of a CUDA event recorded after an enqueued NCCL call (no tensor kept alive)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        import torch
+
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def _p2p_parts(name: str, args: tuple, kwargs: dict, track: Any, idx: dict) -> tuple[tuple[str, int], ...]:
+    direction = "send" if "send" in name else "recv"
+    peer = _arg(args, kwargs, "dst" if direction == "send" else "src", idx["peer"])
+    if peer is None:
+        gpeer = kwargs.get("group_dst" if direction == "send" else "group_src")
+        peer = track.ranks[gpeer] if gpeer is not None and 0 <= gpeer < len(track.ranks) else -1
+    return ((direction, int(peer)),)
+
+
+def _wrap(name: str, fn: Callable) -> Callable:
+    p2p = name in POINT_TO_POINT
+    idx = {"group": _param_index(fn, "group"), "async": _param_index(fn, "async_op"),
+           "peer": _param_index(fn, "dst" if "send" in name else "src")}
+    always_async = name in ("isend", "irecv", "batch_isend_irecv")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        doctor = _ACTIVE[0]
+        if doctor is None or getattr(_TLS, "depth", 0):
+            return fn(*args, **kwargs)
+        if name == "batch_isend_irecv":
+            ops = args[0] if args else kwargs.get("p2p_op_list")
+            group = ops[0].group if ops else None
+        else:
+            ops = None
+            group = _arg(args, kwargs, "group", idx["group"])
+        ledger = doctor.ledger
+        track = ledger.tracks.get(0 if group is None else id(group))
+        if track is None or (group is not None and track.pg is not group):
+            return fn(*args, **kwargs)
+        if ops is not None:
+            parts = tuple(("send" if "send" in getattr(o.op, "__name__", "") else "recv", int(o.peer)) for o in ops)
+        elif p2p:
+            parts = _p2p_parts(name, args, kwargs, track, idx)
+        else:
+            parts = ()
+        call = ledger.begin(track, name, parts)
+        _TLS.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            _TLS.depth = 0
+            doctor.on_error(call, e)  # while the call is still open in the published record
+            ledger.end(call)
+            raise
+        _TLS.depth = 0
+        if always_async or _arg(args, kwargs, "async_op", idx["async"], False):
+            if out is None:
+                ledger.end(call)
+            else:
+                call.work = out
+        elif track.cuda:
+            call.work = _EventProbe()
+        else:
+            ledger.end(call)
+        return out
+
+    wrapper._megashard_doctor = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install(doctor: Any) -> None:
+    """Wrap torch.distributed's collectives for ``doctor`` (one doctor per process)."""
+    if _ACTIVE[0] is not None and _ACTIVE[0] is not doctor:
+        raise RuntimeError("another hang doctor is installed in this process: disable it first")
+    _ACTIVE[0] = doctor
+    if _ORIGINALS:
+        return
+    for name in (*COLLECTIVES, *POINT_TO_POINT):
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "_megashard_doctor", False):
+            continue
+        _ORIGINALS[name] = fn
+        w = _wrap(name, fn)
+        setattr(c10d, name, w)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, w)
+
+
+def uninstall() -> None:
+    """Put torch.distributed's own functions back."""
+    _ACTIVE[0] = None
+    for name, fn in _ORIGINALS.items():
+        if getattr(getattr(dist, name, None), "_megashard_doctor", False):
+            setattr(dist, name, fn)
+        setattr(c10d, name, fn)
+    _ORIGINALS.clear()

@@ -1,0 +1,291 @@
+"""The hang doctor of one process: a background thread that publishes this rank's record and names missing ranks.
+
+    doctor = Doctor(timeout=600.0, out_dir="runs/job")
+    doctor.register_state(state)          # the ParallelState's groups (and the default group as ``world``)
+    doctor.start()                        # wraps torch.distributed's collectives (megashard.doctor.intercept)
+    ...
+    doctor.stop()                         # writes <out_dir>/doctor/rank_<r>.json, puts torch's functions back
+
+The fast path is the ledger (:mod:`megashard.doctor.ledger`): in-memory counters. Every ``interval`` seconds the
+thread closes the asynchronous calls that completed and publishes this rank's record to the store the default group
+was created with (a ``PrefixStore`` over a cloned client connection, so it never waits behind the main thread's store
+traffic): one ``set`` of a small JSON per interval, its ``beat`` counting up while the process lives.
+
+Only on suspicion does a rank read its peers: when a call has been open for ``timeout / 2`` it reads the records of
+the group's members (and remembers their heartbeats); when it is still open after ``timeout`` — or when torch raises
+from it first (gloo's own timeout, a peer that died) — it reads them again, decides which members never reached the
+call and which sent no heartbeat since (a dead process; on the same host also a vanished pid), prints one line
+(:func:`megashard.doctor.diagnose.finding_line`) to stderr once, and writes its file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import IO, Any, Iterable, Optional
+
+from megashard.doctor import intercept
+from megashard.doctor.diagnose import diagnose
+from megashard.doctor.ledger import Call, Ledger
+
+__all__ = ["Doctor", "default_interval"]
+
+STORE_PREFIX = "megashard_doctor"
+
+
+def default_interval(timeout: float) -> float:
+    """Seconds between two publications of a rank's record: a tenth of the timeout, within [0.2, 5] s."""
+    return min(5.0, max(0.2, timeout / 10.0))
+
+
+def _pid_dead(pid: int) -> bool:
+    """Whether process ``pid`` on this host is gone (or a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class Doctor:
+    """Watches this process's collectives on registered groups; see the module docstring.
+
+    Args:
+        timeout: seconds after which an open call is a hang (``parallel.timeout``).
+        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), after a torchrun
+            restart (``TORCHELASTIC_RESTART_COUNT`` k > 0) to ``<out_dir>/doctor/restart_<k>/``, so that the records of
+            the attempt that hung are kept.
+        interval: seconds between publications (default :func:`default_interval`).
+        store: a ``torch.distributed.Store`` (default: the default group's, cloned).
+        stream: where the line goes (default stderr).
+    """
+
+    def __init__(self, timeout: float, out_dir: Optional[str] = None, *, interval: Optional[float] = None,
+                 store: Any = None, stream: Optional[IO[str]] = None):
+        import torch.distributed as dist
+
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval else default_interval(self.timeout)
+        self.out_dir = out_dir
+        self.stream = stream
+        self.ledger = Ledger(dist.get_rank(), dist.get_world_size())
+        if store is None:
+            from megashard._compat import default_store
+
+            store = default_store()
+        try:
+            store = store.clone()  # its own connection: never behind the main thread's store requests
+        except Exception:  # noqa: BLE001 - a store without clone (FakeStore, older torch): share the connection
+            pass
+        self.store = dist.PrefixStore(STORE_PREFIX, store)
+        self.findings: list[dict[str, Any]] = []
+        self.beat = 0
+        self.state = "running"
+        self._snap: dict[int, tuple[float, dict[int, Optional[dict]]]] = {}  # call id -> (when, records read then)
+        self._reported: set[int] = set()  # ids of calls open when this rank last reported a hang
+        self._lock = threading.Lock()  # one report at a time (thread and main thread)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ set-up
+    def register(self, pg: Any, name: str, ranks: Optional[Iterable[int]] = None) -> None:
+        """Watch the collectives on ``pg`` (``ranks``: its global ranks, default asked from torch)."""
+        import torch.distributed as dist
+
+        if ranks is None:
+            ranks = dist.get_process_group_ranks(pg)
+        ranks = list(ranks)
+        if len(ranks) > 1:
+            self.ledger.register(pg, name, ranks, cuda="nccl" in str(dist.get_backend(pg)))
+
+    def register_state(self, state: Any) -> None:
+        """Watch every group of a :class:`~megashard.state.ParallelState` (by megashard's names) and the default
+        group (as ``world``)."""
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        for name, pg in state.named_groups().items():
+            if pg is world:  # a megashard name for the whole world (e.g. dp on a pure data-parallel job)
+                self.ledger.register(pg, name, range(dist.get_world_size()), default=True,
+                                     cuda="nccl" in str(dist.get_backend()))
+            else:
+                self.register(pg, name, state.ranks(name))
+        self.ledger.register(world, "world", range(dist.get_world_size()), default=True,
+                             cuda="nccl" in str(dist.get_backend()))
+
+    def start(self) -> "Doctor":
+        intercept.install(self)
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="megashard-doctor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, reason: str = "exit") -> None:
+        """Stop watching: the thread ends, the final record is published and written, torch's functions are back and
+        no process group is referenced any more. Idempotent."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5)
+        self._thread = None
+        self.state = "exited" if reason == "exit" else "failed"
+        intercept.uninstall()
+        try:
+            self.ledger.poll()
+        except RuntimeError:
+            pass
+        self._publish()
+        self.write(reason)
+        self.ledger.forget_groups()
+
+    # ------------------------------------------------------------------ the background thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.ledger.poll(self.report)
+                self._publish()
+                self._check()
+            except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
+                self._say(f"megashard doctor: rank {self.ledger.rank}: watcher error: {type(e).__name__}: {e}")
+
+    def _check(self) -> None:
+        call = self.ledger.oldest_open()
+        if call is None:
+            self._snap.clear()
+            return
+        age = time.monotonic() - call.t0
+        if age >= self.timeout / 2 and call.cid not in self._snap:
+            self._publish()  # peers reading now see this rank's open call
+            self._snap[call.cid] = (time.monotonic(), self._read(self._peers_of(call)))
+        if age >= self.timeout:
+            self.report(call)
+
+    def _publish(self) -> None:
+        self.beat += 1
+        rec = self.ledger.record(self.beat)
+        rec["state"] = self.state
+        try:
+            self.store.set(f"rec/{self.ledger.rank}", json.dumps(rec, separators=(",", ":")))
+        except Exception:  # noqa: BLE001 - the store's host went away: nothing to publish to
+            pass
+
+    def _read(self, ranks: Iterable[int]) -> dict[int, Optional[dict]]:
+        out: dict[int, Optional[dict]] = {}
+        for r in ranks:
+            key = f"rec/{r}"
+            try:
+                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - unreachable store (its host died): unknown
+                out[r] = None
+        return out
+
+    def _peers_of(self, call: Call) -> list[int]:
+        if call.p2p:
+            return sorted({p for _, p, _ in call.p2p if p >= 0})
+        return [r for r in call.track.ranks if r != self.ledger.rank]
+
+    # ------------------------------------------------------------------ diagnosis
+    def on_error(self, call: Call, exc: BaseException) -> None:
+        """A wrapped call raised: a timeout or a lost peer is a hang to report (other errors are the caller's)."""
+        if isinstance(exc, RuntimeError) and self._thread is not None:
+            try:
+                self.report(call, quick=True)
+            except Exception:  # noqa: BLE001 - never mask the collective's own error
+                pass
+
+    def report(self, call: Call, quick: bool = False) -> Optional[dict[str, Any]]:
+        """Diagnose ``call`` (once per hang), print its line and write this rank's file; returns the finding.
+
+        ``quick``: torch raised from the call (its timeout, a lost peer); the same diagnosis (:meth:`_examine`), which
+        waits at most ``2 · interval + 0.5`` s for fresh records when there was no read on suspicion."""
+        with self._lock:
+            if call.cid in self._reported:
+                return None
+            self._reported = set(self.ledger.open) | {call.cid}
+            waited = time.monotonic() - call.t0
+            self._publish()  # peers diagnosing now see this call open
+            self.write("hang")  # first what this rank knows (the process may be stopped while it waits for peers)
+            records, alive = self._examine(self._peers_of(call), self._snap.get(call.cid))
+            finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited)
+            self.findings.append(finding)
+            self._say(finding["line"])
+            self.write("hang")
+            return finding
+
+    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict]:
+        """The peers' records, fresh, and whether each is alive: a live peer publishes a newer record (a higher beat)
+        than the first read within ``2 · interval + 0.5`` s; one that does not — or whose pid is gone on this host,
+        or whose doctor ended — is not. The first read is the one on suspicion when there was one (then usually no
+        waiting at all), else one taken now."""
+        if snap is None:
+            snap = (time.monotonic(), self._read(peers))
+        first = snap[1]
+        deadline = snap[0] + 2 * self.interval + 0.5
+        records: dict[int, Optional[dict]] = {}
+        alive: dict[int, Optional[bool]] = {}
+        waiting = list(peers)
+        while True:
+            for r, rec in self._read(waiting).items():
+                if rec is not None:
+                    records[r] = rec
+            still = []
+            for r in waiting:
+                before, now = first.get(r), records.get(r)
+                if now is not None and (before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))):
+                    alive[r] = True
+                elif now is not None and (now.get("state") in ("exited", "failed") or (
+                        now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))))):
+                    alive[r] = False
+                else:
+                    still.append(r)
+            waiting = still
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.2, self.interval / 2))
+        for r in waiting:  # no newer record before the deadline: no heartbeat
+            if records.get(r) is None:
+                records[r] = first.get(r)  # the store may be gone: what was read first
+            alive[r] = False if records.get(r) is not None else None
+        for r, rec in records.items():  # a process that ended is not alive, whatever its last beat
+            if rec is not None and rec.get("state") in ("exited", "failed"):
+                alive[r] = False
+        return records, alive
+
+    def _say(self, line: str) -> None:
+        stream = self.stream or sys.stderr
+        try:
+            print(line, file=stream, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ files
+    def write(self, reason: str) -> Optional[str]:
+        """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically); returns the path."""
+        if not self.out_dir:
+            return None
+        rec = self.ledger.record(self.beat)
+        rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
+        d = os.path.join(self.out_dir, "doctor")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart.isdigit() and int(restart) > 0:
+            d = os.path.join(d, f"restart_{int(restart)}")
+        path = os.path.join(d, f"rank_{self.ledger.rank}.json")
+        try:
+            os.makedirs(d, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(rec, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:
+            self._say(f"megashard doctor: rank {self.ledger.rank}: cannot write {path}: {e.strerror or e}")
+            return None
+        return path
