@@ -160,7 +160,7 @@ class _Validator:
                                         and c.recompute and c.sizes["pp"] == 1)
         job.train = dataclasses.replace(self.base.train, microbatches=c.microbatches, pipeline_schedule=c.schedule)
         sizes = pc.resolve(self.world_size)
-        return job.validate(sizes=sizes)
+        return job.validate(sizes=sizes, data=False)  # data files: check_files, once per tp
 
     def check_files(self, tp: int) -> Optional[str]:
         """The data / checkpoint checks that read files, once per tp (the corpus's vocabulary is padded to tp)."""
@@ -175,6 +175,10 @@ class _Validator:
                     from megashard.train.data import check_corpus
 
                     check_corpus(job, tp)
+                elif job.data.source != "synthetic":  # synthetic data: checked by arithmetic in `megashard run`
+                    from megashard.train.data import check_samples
+
+                    check_samples(job)
                 job.requested_checkpoint()
                 self._files_checked[tp] = None
             except ConfigError as e:

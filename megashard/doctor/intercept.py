@@ -129,7 +129,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
             if out is None:
                 ledger.end(call)
             else:
-                call.work = out
+                ledger.hold(call, out)
         elif track.cuda:
             call.work = _EventProbe()
         else:
@@ -138,6 +138,24 @@ def _wrap(name: str, fn: Callable) -> Callable:
 
     wrapper._megashard_doctor = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _wrap_wait(fn: Callable) -> Callable:
+    """``Work.wait``: a Work waited on successfully closes its call at once, and the ledger lets it go — a Work
+    keeps its tensors (gloo's send and receive buffers, a pipeline's activations) alive, and the doctor must not hold
+    them past the caller's ``wait()`` (the background poll alone would, for up to its interval). A wait that raises
+    or times out leaves the call open, as the diagnosis needs it."""
+
+    @functools.wraps(fn)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(self, *args, **kwargs)
+        doctor = _ACTIVE[0]
+        if doctor is not None and out is not False:
+            doctor.ledger.waited(self)
+        return out
+
+    wait._megashard_doctor = True  # type: ignore[attr-defined]
+    return wait
 
 
 def install(doctor: Any) -> None:
@@ -156,12 +174,19 @@ def install(doctor: Any) -> None:
         setattr(c10d, name, w)
         if getattr(dist, name, None) is fn:
             setattr(dist, name, w)
+    wait = getattr(dist.Work, "wait", None)
+    if wait is not None and not getattr(wait, "_megashard_doctor", False):
+        _ORIGINALS["Work.wait"] = wait
+        dist.Work.wait = _wrap_wait(wait)
 
 
 def uninstall() -> None:
     """Put torch.distributed's own functions back."""
     _ACTIVE[0] = None
     for name, fn in _ORIGINALS.items():
+        if name == "Work.wait":
+            dist.Work.wait = fn
+            continue
         if getattr(getattr(dist, name, None), "_megashard_doctor", False):
             setattr(dist, name, fn)
         setattr(c10d, name, fn)

@@ -94,6 +94,7 @@ class Ledger:
         self.tracks: dict[int, GroupTrack] = {}  # id(process group) -> its track (the default group also under 0)
         self.by_key: dict[str, GroupTrack] = {}
         self.open: dict[int, Call] = {}  # calls started and not known to be finished (the async ones until polled)
+        self.held: dict[int, Call] = {}  # id(Work) -> its open call (the Work is held in call.work, so ids stay unique)
         self.last: Optional[Call] = None  # the newest finished call
         self.last_end = time.monotonic()
         self.step = 0
@@ -128,6 +129,7 @@ class Ledger:
             t.pg = None
         self.tracks.clear()
         self.open.clear()
+        self.held.clear()
 
     # ------------------------------------------------------------------ calls (the fast path)
     def begin(self, track: GroupTrack, op: str, p2p: tuple[tuple[str, int], ...] = ()) -> Call:
@@ -143,6 +145,23 @@ class Ledger:
             call = Call(track, op, track.seq, time.monotonic(), self.step, cid=next(self._ids))
         self.open[call.cid] = call
         return call
+
+    def hold(self, call: Call, work: Any) -> None:
+        """An asynchronous call stays open on its Work (or list of Works) until they are waited on or polled."""
+        call.work = work
+        for w in work if isinstance(work, list) else [work]:
+            self.held[id(w)] = call
+
+    def waited(self, work: Any) -> None:
+        """``work.wait()`` returned: drop it, and close its call once none of its Works is left."""
+        call = self.held.pop(id(work), None)
+        if call is None:
+            return
+        w = call.work
+        rest = [x for x in w if x is not work] if isinstance(w, list) else []
+        call.work = rest or None  # a new list: the background poll may be reading the old one
+        if not rest:
+            self.end(call)
 
     def end(self, call: Call) -> None:
         self.open.pop(call.cid, None)
@@ -172,6 +191,8 @@ class Ledger:
                     failed = True
             if failed and on_failed is not None:
                 on_failed(call)
+            for x in works:
+                self.held.pop(id(x), None)
             call.work = None
             self.end(call)
 

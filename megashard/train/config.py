@@ -135,12 +135,14 @@ class JobConfig:
         return [i for i in range(m.layers) if (i + 1) % m.moe_every == 0]
 
     # ------------------------------------------------------------------ validation
-    def validate(self, world_size: Optional[int] = None, *, sizes: Optional[ResolvedSizes] = None) -> ResolvedSizes:
+    def validate(self, world_size: Optional[int] = None, *, sizes: Optional[ResolvedSizes] = None,
+                 data: bool = True) -> ResolvedSizes:
         """Check every section and their combination for ``world_size`` (default: launch.nnodes × nproc_per_node).
 
         ``sizes``: the parallel section already resolved for the world (e.g. ``ParallelState.sizes`` in a worker):
         used as they are, not resolved again. Returns the resolved parallel sizes; raises :class:`ConfigError`
-        naming the keys, values and rule.
+        naming the keys, values and rule. ``data=False`` skips the data files and samples (the same for every
+        layout: the layout advisor checks them once, not per layout, and stays free of torch).
         """
         self._validate_sections()
         if sizes is not None:
@@ -189,7 +191,9 @@ class JobConfig:
 
             _need(self.data.path is not None and os.path.isfile(self.data.path),
                   f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
-        if self.data.source == "indexed":
+        if not data:
+            pass
+        elif self.data.source == "indexed":
             from megashard.train.data import check_corpus
 
             check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits, the samples (check_samples)
