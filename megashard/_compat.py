@@ -79,6 +79,33 @@ def backend_options(group, device) -> object:
     return group._get_backend(torch.device(device)).options
 
 
+# --- pipeline stages (megashard.train.pipeline) -----------------------------------------------------
+def pipeline_stage_class() -> type:
+    """``torch.distributed.pipelining.PipelineStage``, or a subclass that never sends to its own rank.
+
+    Schedules that place two adjacent stages on one rank (``zbv``'s V: stages 1 and 2 on pp rank 1) pass
+    activations between them in memory, but where the schedule warms its communicators up with the stages'
+    ``_get_init_p2p_neighbors_ops`` (torch 2.11; 2.13 votes instead), those ops include an isend/irecv to the
+    stage's own rank, which gloo has no connection for ("Pair is not connected"). Where that method exists the
+    subclass drops the ops whose peer is this rank; everything else is PyTorch's own stage.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    if not callable(getattr(PipelineStage, "_get_init_p2p_neighbors_ops", None)):
+        return PipelineStage
+    if not _STAGE_CLASS:
+        class NoSelfP2PStage(PipelineStage):
+            def _get_init_p2p_neighbors_ops(self):
+                ops = super()._get_init_p2p_neighbors_ops()
+                return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
+
+        _STAGE_CLASS.append(NoSelfP2PStage)
+    return _STAGE_CLASS[0]
+
+
+_STAGE_CLASS: list = []  # built on first use: importing pipelining loads DTensor
+
+
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
 def fake_store():
     """A ``FakeStore`` for ``init_process_group("fake", store=..., rank=r, world_size=W)``: one process
@@ -196,6 +223,30 @@ def dcp_narrow_tensor_by_index(tensor, offsets, sizes):
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
     return narrow_tensor_by_index(tensor, offsets, sizes)
+
+
+# --- DCP's DefaultStager (megashard.checkpoint.async_save) -----------------------------------------------
+_STAGER_REUSABLE: list = []
+
+
+def dcp_default_stager_reusable() -> bool:
+    """True if one DCP ``DefaultStager`` can stage again and again (torch 2.13: it keeps its host copies from save
+    to save); False where each ``stage()`` ends by closing it (torch 2.11: ``close()`` empties its deepcopy table,
+    and the next ``stage()`` fails with ``KeyError: <class 'type'>``). Decided once per process by staging a
+    two-entry dict twice on the CPU (microseconds)."""
+    if not _STAGER_REUSABLE:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            sd = {"t": torch.zeros(2), "cls": int}
+            ok = all(stager.stage(sd)["cls"] is int for _ in range(2))
+        except Exception:  # noqa: BLE001 - KeyError on torch 2.11; anything else: do not reuse either
+            ok = False
+        finally:
+            stager.close()
+        _STAGER_REUSABLE.append(ok)
+    return _STAGER_REUSABLE[0]
 
 
 # --- DTensor local shard without autograd (used by megashard.tensors.uneven) -----------------------
