@@ -106,6 +106,31 @@ def pipeline_stage_class() -> type:
 _STAGE_CLASS: list = []  # built on first use: importing pipelining loads DTensor
 
 
+# --- process-group timeouts (megashard.state.pool; tests read them back) ------------------------------------
+def options_with_timeout(pg_options, timeout):
+    """``pg_options`` (e.g. ``ProcessGroupNCCL.Options``) carrying ``timeout`` in its private ``_timeout``.
+
+    ``new_group(timeout=..., pg_options=...)`` gives the NCCL communicator ``timeout`` (it sets
+    ``pg_options._timeout = timeout``), but first warns "backend_options._timeout was specified, but timeout kwarg
+    has a default value that will always override it" whenever the two differ (torch 2.11-2.13) - so, at every
+    group megashard created with options, since a fresh Options object holds torch's default (10 min). Setting
+    the same value first is what torch does anyway, without the warning. Objects without ``_timeout`` pass as
+    they are."""
+    if pg_options is not None and hasattr(pg_options, "_timeout"):
+        pg_options._timeout = timeout
+    return pg_options
+
+
+def group_timeout(group, device: str = "cpu"):
+    """The timeout (a ``timedelta``) ``group``'s backend for ``device`` was created with (gloo: the group's
+    ``ProcessGroupGloo.Options``; NCCL: ``ProcessGroupNCCL.Options``), or None where the backend keeps none."""
+    try:
+        backend = group._get_backend(torch.device(device))
+    except (AttributeError, RuntimeError):
+        return None
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
 def fake_store():
     """A ``FakeStore`` for ``init_process_group("fake", store=..., rank=r, world_size=W)``: one process
