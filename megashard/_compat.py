@@ -81,7 +81,7 @@ def backend_options(group, device) -> object:
     return group._get_backend(torch.device(device)).options
 
 
-# --- pipeline stages (megashard.train.pipeline) -----------------------------------------------------
+# --- pipeline stages (megashard.models.pipeline) -----------------------------------------------------
 def pipeline_stage_class() -> type:
     """``torch.distributed.pipelining.PipelineStage``, or a subclass that never sends to its own rank.
 
