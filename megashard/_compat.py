@@ -5,6 +5,8 @@ between releases; the rest of the package imports these names from this module o
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -87,6 +89,58 @@ def backend_options(group, device) -> object:
     """The options of ``group``'s backend for ``device`` (``ProcessGroupNCCL.Options`` on NCCL): what the
     communicator was created with (high-priority stream, ``config.cga_cluster_size`` / ``max_ctas`` / ...)."""
     return group._get_backend(torch.device(device)).options
+
+
+# --- pipeline stages (megashard.models.pipeline) -----------------------------------------------------
+def pipeline_stage_class() -> type:
+    """``torch.distributed.pipelining.PipelineStage``, or a subclass that never sends to its own rank.
+
+    Schedules that place two adjacent stages on one rank (``zbv``'s V: stages 1 and 2 on pp rank 1) pass
+    activations between them in memory, but where the schedule warms its communicators up with the stages'
+    ``_get_init_p2p_neighbors_ops`` (torch 2.11; 2.13 votes instead), those ops include an isend/irecv to the
+    stage's own rank, which gloo has no connection for ("Pair is not connected"). Where that method exists the
+    subclass drops the ops whose peer is this rank; everything else is PyTorch's own stage.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    if not callable(getattr(PipelineStage, "_get_init_p2p_neighbors_ops", None)):
+        return PipelineStage
+    if not _STAGE_CLASS:
+        class NoSelfP2PStage(PipelineStage):
+            def _get_init_p2p_neighbors_ops(self):
+                ops = super()._get_init_p2p_neighbors_ops()
+                return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
+
+        _STAGE_CLASS.append(NoSelfP2PStage)
+    return _STAGE_CLASS[0]
+
+
+_STAGE_CLASS: list = []  # built on first use: importing pipelining loads DTensor
+
+
+# --- process-group timeouts (megashard.state.pool; tests read them back) ------------------------------------
+def options_with_timeout(pg_options, timeout):
+    """``pg_options`` (e.g. ``ProcessGroupNCCL.Options``) carrying ``timeout`` in its private ``_timeout``.
+
+    ``new_group(timeout=..., pg_options=...)`` gives the NCCL communicator ``timeout`` (it sets
+    ``pg_options._timeout = timeout``), but first warns "backend_options._timeout was specified, but timeout kwarg
+    has a default value that will always override it" whenever the two differ (torch 2.11-2.13) - so, at every
+    group megashard created with options, since a fresh Options object holds torch's default (10 min). Setting
+    the same value first is what torch does anyway, without the warning. Objects without ``_timeout`` pass as
+    they are."""
+    if pg_options is not None and hasattr(pg_options, "_timeout"):
+        pg_options._timeout = timeout
+    return pg_options
+
+
+def group_timeout(group, device: str = "cpu"):
+    """The timeout (a ``timedelta``) ``group``'s backend for ``device`` was created with (gloo: the group's
+    ``ProcessGroupGloo.Options``; NCCL: ``ProcessGroupNCCL.Options``), or None where the backend keeps none."""
+    try:
+        backend = group._get_backend(torch.device(device))
+    except (AttributeError, RuntimeError):
+        return None
+    return getattr(getattr(backend, "options", None), "_timeout", None)
 
 
 # --- fake backend, `_flatten`, backend creators (benchmarks/init_scale.py, tests/test_fake_scale.py) ---
@@ -206,6 +260,98 @@ def dcp_narrow_tensor_by_index(tensor, offsets, sizes):
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
     return narrow_tensor_by_index(tensor, offsets, sizes)
+
+
+# --- DCP's DefaultStager (megashard.checkpoint.async_save) -----------------------------------------------
+_STAGER_REUSABLE: list = []
+
+
+def dcp_default_stager_reusable() -> bool:
+    """True if one DCP ``DefaultStager`` can stage again and again (torch 2.13: it keeps its host copies from save
+    to save); False where each ``stage()`` ends by closing it (torch 2.11: ``close()`` empties its deepcopy table,
+    and the next ``stage()`` fails with ``KeyError: <class 'type'>``). Decided once per process by staging a
+    two-entry dict twice on the CPU (microseconds)."""
+    if not _STAGER_REUSABLE:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            sd = {"t": torch.zeros(2), "cls": int}
+            ok = all(stager.stage(sd)["cls"] is int for _ in range(2))
+        except Exception:  # noqa: BLE001 - KeyError on torch 2.11; anything else: do not reuse either
+            ok = False
+        finally:
+            stager.close()
+        _STAGER_REUSABLE.append(ok)
+    return _STAGER_REUSABLE[0]
+
+
+# --- DTensor gathers on gloo with CUDA tensors (megashard.tensors.uneven.gather.full_tensor) --------------------
+#: torch releases (major, minor) -> whether a DTensor gather (``redistribute`` Shard -> Replicate, ``full_tensor()``)
+#: kills the process (SIGSEGV in every rank) on gloo with CUDA tensors; raw collectives (all_gather_into_tensor,
+#: broadcast) work there. Filled from :func:`probe_gloo_cuda_dtensor_gather` on a GPU (tests/gpu/test_cuda_gloo.py
+#: compares the two): 2.11 from torch 2.11.0+cu130 on an H100. A release not listed is treated as affected.
+GLOO_CUDA_DTENSOR_GATHER_CRASHES: dict[tuple[int, int], bool] = {(2, 11): True}
+
+
+def dtensor_gather_crashes(device_type: str, backend: str, version: tuple[int, int] = TORCH_VERSION,
+                           table: dict | None = None) -> bool:
+    """True where a DTensor gather must not be used: a CUDA mesh over gloo on a torch release that crashes there
+    (per :data:`GLOO_CUDA_DTENSOR_GATHER_CRASHES`; an unlisted release counts as affected: the way round costs a
+    little speed, a crash costs the job). NCCL, CPU meshes and listed unaffected releases: False."""
+    if device_type != "cuda" or "gloo" not in str(backend) or "nccl" in str(backend):
+        return False
+    known = (GLOO_CUDA_DTENSOR_GATHER_CRASHES if table is None else table).get(tuple(version[:2]))
+    return True if known is None else bool(known)
+
+
+_GATHER_PROBE = r"""
+import os, sys, datetime, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+rank, world, device, init = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+if device == "cuda":
+    torch.cuda.set_device(0)
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+mesh = init_device_mesh(device, (world,))
+full = torch.arange(48, dtype=torch.float32, device=device).reshape(8, 6)
+d = distribute_tensor(full, mesh, [Shard(0)])
+ok = torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), full) and torch.equal(d.full_tensor(), full)
+dist.destroy_process_group()
+sys.exit(0 if ok else 3)
+"""
+
+
+def probe_gloo_cuda_dtensor_gather(device: str = "cuda", timeout: float = 180.0) -> bool | None:
+    """Run a DTensor gather (Shard(0) -> Replicate and ``full_tensor()``) on gloo in two child processes on
+    ``device`` (both on ``cuda:0`` for CUDA). True: a child died of a signal (torch's crash); False: both gathered
+    the right tensor; None: undecided (the children failed otherwise or timed out). Seconds: a few (CUDA set-up)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="megashard-gather-probe-") as tmp:
+        init = "file://" + os.path.join(tmp, "store")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, "-c", _GATHER_PROBE, str(r), device, init], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=timeout))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+    return probe_verdict(codes)
+
+
+def probe_verdict(codes: list) -> bool | None:
+    """The probe's verdict from its children's exit codes (``subprocess`` style: -N = killed by signal N)."""
+    if any(c is not None and c < 0 and c != -9 for c in codes):  # SIGSEGV/SIGABRT/SIGBUS: torch crashed
+        return True
+    if codes and all(c == 0 for c in codes):
+        return False
+    return None
 
 
 # --- DTensor local shard without autograd (used by megashard.tensors.uneven) -----------------------

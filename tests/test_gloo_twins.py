@@ -89,10 +89,59 @@ def check_twins_not_requested(rank, world_size):
         megashard.destroy()
 
 
+def _nccl_options_class():
+    import torch.distributed as dist
+
+    return getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)  # CUDA builds only
+
+
+def check_every_group_has_parallel_timeout(rank, world_size):
+    """parallel.timeout reaches every communicator megashard creates (read back from each group's backend), and
+    the NCCL options megashard hands to new_group carry it (torch warned at every NCCL group where they did not)."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import megashard
+    from megashard._compat import group_timeout
+    from megashard.config.nccl import nccl_options
+    from megashard.layout import GROUP_NAMES
+    from megashard.state.core import GLOO_TWIN_GROUPS
+    from megashard.state.pool import pooled_group
+
+    want = timedelta(seconds=37)
+    assert group_timeout(dist.group.WORLD) == timedelta(seconds=30)  # the spawn's default group: not megashard's
+    st = megashard.initialize(megashard.ParallelConfig(tp=2, dp_outer=2, ep=2, timeout=37))
+    try:
+        seen = 0
+        for name in GROUP_NAMES:
+            pg = st.group(name)
+            if pg is not dist.group.WORLD:  # a group spanning the world is the default group itself
+                assert group_timeout(pg) == want, f"group {name}: {group_timeout(pg)}"
+                seen += 1
+        assert seen >= 10, seen
+        for name in GLOO_TWIN_GROUPS:
+            if st.gloo_group(name) is not dist.group.WORLD:
+                assert group_timeout(st.gloo_group(name)) == want, f"gloo twin of {name}"
+        for axis in st.fsdp_mesh.mesh_dim_names:
+            assert group_timeout(st.fsdp_mesh.get_group(axis)) == want, f"fsdp_mesh axis {axis}"
+        if _nccl_options_class() is not None:  # the options object of an NCCL group, through the real pool
+            opts = nccl_options({"is_high_priority_stream": True, "max_ctas": 8})
+            assert opts._timeout != want  # torch's default (10 min): what made torch warn
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # "backend_options._timeout was specified, ..." would fail here
+                pg, _ = pooled_group((rank,), timedelta(seconds=41), "gloo", "test:options", pg_options=opts)
+            assert opts._timeout == timedelta(seconds=41) and group_timeout(pg) == timedelta(seconds=41)
+        dist.barrier()
+    finally:
+        megashard.destroy()
+
+
 @pytest.fixture(scope="module")
 def dist4():
-    return spawn_checks([check_twins_created_at_initialisation, check_twins_not_requested], world_size=WORLD,
-                        backend="cpu:gloo")
+    return spawn_checks([check_twins_created_at_initialisation, check_twins_not_requested,
+                         check_every_group_has_parallel_timeout], world_size=WORLD, backend="cpu:gloo")
 
 
 def test_twins_created_at_initialisation(dist4):
@@ -101,3 +150,22 @@ def test_twins_created_at_initialisation(dist4):
 
 def test_twins_not_requested_is_a_clear_error(dist4):
     dist4.assert_ok("check_twins_not_requested")
+
+
+def test_parallel_timeout_reaches_every_group(dist4):
+    dist4.assert_ok("check_every_group_has_parallel_timeout")
+
+
+@pytest.mark.skipif(_nccl_options_class() is None, reason="ProcessGroupNCCL.Options exist in CUDA builds of torch only "
+                    "(CI's second torch, 2.11.0 from PyPI, is one)")
+def test_nccl_options_carry_the_group_timeout():
+    """The NCCL branch of new_group compares options._timeout with its timeout (and warns when they differ), then
+    sets it: the options megashard builds and passes hold the group's timeout already."""
+    from datetime import timedelta
+
+    from megashard._compat import options_with_timeout
+    from megashard.config.nccl import nccl_options
+
+    opts = nccl_options({"cga_cluster_size": 2, "max_ctas": 16})
+    assert options_with_timeout(opts, timedelta(seconds=90)) is opts and opts._timeout == timedelta(seconds=90)
+    assert opts.config.max_ctas == 16 and options_with_timeout(None, timedelta(seconds=1)) is None

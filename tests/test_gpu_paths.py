@@ -46,6 +46,24 @@ def test_device_checks_name_field_and_fix(config, message):
     text = str(info.value)
     assert text.startswith(message) and "\n" not in text, text
     assert text.endswith("use parallel.device=cpu (or auto) and parallel.backend=gloo (or auto) on this machine")
+    if torch.version.cuda is None:  # a CPU-only build: the error says how to get a CUDA one
+        assert "for GPUs install a CUDA build of torch (in a megashard checkout: TORCH_CUDA=auto bash tools/setup.sh; " \
+               "see docs/gpu.md), or use parallel.device=cpu" in text, text
+
+
+def test_a_cpu_only_torch_is_told_how_to_get_a_cuda_build(monkeypatch):
+    """Also where this torch is a CUDA build: as a CPU-only one it names the way to a CUDA build; a CUDA build that
+    sees no GPU does not (its reason names the driver and CUDA_VISIBLE_DEVICES instead)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=r"^parallel.device=cuda, but this machine has no usable CUDA device \(torch "
+                       r".*, a CPU-only build\); for GPUs install a CUDA build of torch \(in a megashard checkout: "
+                       r"TORCH_CUDA=auto bash tools/setup.sh; see docs/gpu.md\), or use parallel.device=cpu"):
+        check_devices(ParallelConfig(device="cuda"), prefix="parallel.")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(ConfigError) as info:
+        check_devices(ParallelConfig(device="cuda"), prefix="parallel.")
+    assert "CUDA build of torch" not in str(info.value) and "built for CUDA 13.0 finds none" in str(info.value)
 
 
 def test_nccl_on_cpu_refused_when_the_config_is_built():

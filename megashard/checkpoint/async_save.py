@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from megashard._compat import dcp_default_stager_reusable
 from megashard.checkpoint.collective import dist_on, unwrap_dcp_error
 from megashard.checkpoint.planners import MegashardSavePlanner
 from megashard.checkpoint.saving import finish, start
@@ -63,15 +64,28 @@ class _HostStager(AsyncStager):
         self._default: Optional[DefaultStager] = None
 
     def stage(self, state_dict: dict) -> dict:
-        if all(t.device.type == "cpu" for t in _tensors(state_dict)):
+        if self._on_host(state_dict):
             staged = self._copy(state_dict, "")
         else:
-            if self._default is None:
-                self._default = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                             use_async_staging=False, use_non_blocking_copy=False))
-            staged = self._default.stage(state_dict)
+            staged = self._default_stager().stage(state_dict)
         attach_uneven_layouts(staged, cache=self._layouts)
         return staged
+
+    @staticmethod
+    def _on_host(state_dict: dict) -> bool:
+        """True if every tensor is on the CPU (megashard's own copy); else DCP's ``DefaultStager`` copies."""
+        return all(t.device.type == "cpu" for t in _tensors(state_dict))
+
+    def _default_stager(self) -> DefaultStager:
+        """The ``DefaultStager`` of this save: kept from save to save (its host copies are reused) where torch's
+        stager survives a ``stage()``; a fresh one per save where ``stage()`` closes it (torch 2.11)."""
+        if self._default is not None and not dcp_default_stager_reusable():
+            self._default.close()  # the previous save's copy is written: the caller waited for it
+            self._default = None
+        if self._default is None:
+            self._default = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                         use_async_staging=False, use_non_blocking_copy=False))
+        return self._default
 
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)

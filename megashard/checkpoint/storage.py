@@ -179,14 +179,30 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str, algorithm: str = "crc32", **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem(algorithm)
+        self.written: list = []  # this rank's storage infos (offset, length, file) of the items it wrote
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        """DCP's write, keeping this rank's own write results: where each item went. The metadata ``dcp.save``
+        returns is no substitute: torch 2.11's ``finish`` fills ``storage_data`` into a copy of it."""
+        fut = super().write_data(plan, planner)
+
+        def keep(done: Future) -> Any:
+            results = done.value()
+            self.written.extend(getattr(r, "storage_data", None) for r in results)
+            return results
+
+        return fut.then(keep)
 
     def checksums(self, metadata: Optional[Metadata], rank: int) -> tuple[dict, dict]:
         """``(files, items)`` of the data files this rank wrote: ``files[name]`` = ``{"size", "checksum"}``;
         ``items[name]`` = ``[(offset, length, checksum), ...]`` of the DCP storage items in ``name``, for every
-        file whose items (from the save's ``metadata``) match the hashed spans and tile the file."""
+        file whose items (this rank's write results, and the save's ``metadata`` where it has them) match the
+        hashed spans and tile the file."""
         by_file: dict[str, list] = collections.defaultdict(list)
-        for info in (getattr(metadata, "storage_data", None) or {}).values():
-            by_file[info.relative_path].append((int(info.offset), int(info.length)))
+        infos = list((getattr(metadata, "storage_data", None) or {}).values()) + self.written
+        for info in infos:
+            if info is not None and hasattr(info, "relative_path"):
+                by_file[info.relative_path].append((int(info.offset), int(info.length)))
         files, items = {}, {}
         for name in by_file:  # a file of this rank DCP wrote past the hashing stream: hashed from disk, whole
             if name not in self.fs.records and name.startswith(f"__{rank}_"):

@@ -69,9 +69,10 @@ class ParallelConfig:
     seed: int = 1234
     """Base random seed (data-parallel stream = seed; model-parallel = seed + 2718 + tp_rank)."""
     create_gloo_process_groups: bool = True
-    """With a backend other than gloo (nccl): also create a gloo twin of every group at initialisation, for CPU-side
-    work (``ParallelState.gloo_group``, Megatron's ``get_data_parallel_group_gloo``). On gloo the twin is the group
-    itself, and ``fake`` simulations create none."""
+    """With a backend other than gloo (nccl): also create a gloo twin of every data-parallel group (dp, dp_cp, hsdp,
+    dp_shard_cp, the expert dp groups and their intra-instance parts, as Megatron-LM does) at initialisation, for
+    CPU-side work (``ParallelState.gloo_group``, Megatron's ``get_data_parallel_group_gloo``). On gloo the twin is the
+    group itself, and ``fake`` simulations create none."""
     hierarchical_context_parallel_sizes: list[int] | None = None
     """Megatron's hierarchical context parallelism: sizes of the cp levels, fastest first, whose product is cp
     (e.g. ``[2, 2]`` with cp=4). Level k's groups are ``hcp<k>`` (Megatron's ``get_hierarchical_context_parallel_groups``).

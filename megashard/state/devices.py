@@ -35,6 +35,10 @@ def cuda_unavailable_reason() -> str | None:
             f"finds none: no NVIDIA driver or GPU{hint})")
 
 
+#: How to get a CUDA build of torch (the errors of a CPU-only torch asked for CUDA say it; docs/gpu.md explains).
+CUDA_BUILD_HINT = "in a megashard checkout: TORCH_CUDA=auto bash tools/setup.sh; see docs/gpu.md"
+
+
 def current_device(device: str = "auto") -> torch.device:
     """The device this process computes on for a device setting (``parallel.device``): ``"cuda"`` → the current
     CUDA device (with its index), ``"cpu"`` → the CPU, ``"auto"`` → the current CUDA device when CUDA is
@@ -60,6 +64,8 @@ def check_devices(config: ParallelConfig, processes_per_node: int | None = None,
     ``prefix`` names the fields (``"parallel."`` for a job YAML)."""
     cpu_fix = f"use {prefix}device=cpu (or auto) and {prefix}backend=gloo (or auto) on this machine"
     no_cuda = cuda_unavailable_reason()
+    if no_cuda and torch.version.cuda is None:  # a CPU-only torch: say how to get one that can use GPUs
+        cpu_fix = f"for GPUs install a CUDA build of torch ({CUDA_BUILD_HINT}), or {cpu_fix}"
     if config.device == "cuda" and no_cuda:
         raise ConfigError(f"{prefix}device=cuda, but {no_cuda}; {cpu_fix}")
     backend = resolve_backend(config)

@@ -48,7 +48,10 @@ def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None
     pg = _POOL.get(key)
     if pg is not None:
         return pg, False
-    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, pg_options=pg_options,
+    from megashard._compat import options_with_timeout  # lazy: _compat loads DTensor
+
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend,
+                        pg_options=options_with_timeout(pg_options, timeout),  # the timeout NCCL gets, no warning
                         use_local_synchronization=True, group_desc=desc)
     _POOL[key] = pg
     if not _RELEASE_AT_EXIT[0]:

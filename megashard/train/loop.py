@@ -182,18 +182,20 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
 def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
     """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
     from megashard.models.parallelize import global_dtensor, local_tensor
+    from megashard.tensors.uneven.gather import full_tensor
 
     # Stages hold different parameters; the pp axis of each global DTensor is Replicate, so full_tensor()
     # communicates within the stage only. The stages' dicts are then shared over pp.
-    out = {n: global_dtensor(local_tensor(p.detach()), p, state).full_tensor() for n, p in model.named_parameters()}
+    out = {n: full_tensor(global_dtensor(local_tensor(p.detach()), p, state)) for n, p in model.named_parameters()}
     return _merge_over_pp(out, state)
 
 
 def full_gradients(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as the full global tensor (on every rank; collective). For tests."""
     from megashard.models.parallelize import global_dtensor, local_tensor
+    from megashard.tensors.uneven.gather import full_tensor
 
-    out = {n: global_dtensor(local_tensor(p.grad.detach()), p, state).full_tensor()
+    out = {n: full_tensor(global_dtensor(local_tensor(p.grad.detach()), p, state))
            for n, p in model.named_parameters() if p.grad is not None}
     return _merge_over_pp(out, state)
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megashard._compat import pipeline_stage_class
 from megashard.errors import PipelineError
 from megashard.models.stages import PIPELINE_SCHEDULES, schedule_is_multi
 
@@ -73,8 +74,9 @@ class Pipeline:
         self.timeout = float(job.parallel.timeout)
         parts = list(model.parts)
         device = next(parts[0].parameters()).device
-        self.stages = [pipelining.PipelineStage(part, part.stage.index, part.stage.num_stages, device,
-                                                group=self.group) for part in parts]
+        stage_cls = pipeline_stage_class()
+        self.stages = [stage_cls(part, part.stage.index, part.stage.num_stages, device, group=self.group)
+                       for part in parts]
         self.stage_ids = [part.stage.index for part in parts]
         self.has_first = any(p.stage.is_first for p in parts)
         self.has_last = any(p.stage.is_last for p in parts)

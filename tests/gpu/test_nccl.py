@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import os
 import tempfile
+from datetime import timedelta
 
 import pytest
 import torch
@@ -65,7 +66,9 @@ def check_nccl_groups_meshes_twins(rank, world_size):
 
     import megashard
     import megashard.parallel_state as ps
+    from megashard.errors import StateError
     from megashard.layout import GROUP_NAMES
+    from megashard.state.core import GLOO_TWIN_GROUPS
 
     torch.cuda.set_device(0)
     assert dist.get_backend() == "nccl", dist.get_backend()
@@ -91,13 +94,22 @@ def check_nccl_groups_meshes_twins(rank, world_size):
         for name in GROUP_NAMES:
             mesh = st.mesh(name)
             assert mesh.device_type == "cuda" and dist.get_backend(mesh.get_group()) == "nccl", name
-        for name in GROUP_NAMES:  # gloo twins: created at initialisation, CPU collectives
+        # gloo twins (as in Megatron-LM): one per data-parallel group, created at initialisation, CPU collectives;
+        # any other group has none and says so
+        for name in GROUP_NAMES:
+            if name not in GLOO_TWIN_GROUPS:
+                with pytest.raises(StateError, match=rf"no gloo twin of group '{name}' on this nccl job: gloo twins "
+                                   r"exist for the data-parallel groups"):
+                    st.gloo_group(name)
+                continue
             twin = st.gloo_group(name)
-            assert dist.get_backend(twin) == "gloo" and dist.get_process_group_ranks(twin) == [0], name
+            assert dist.get_backend(twin) == "gloo" and dist.get_process_group_ranks(twin) == st.ranks(name), name
             t = torch.tensor([float(rank + 5)])
             dist.all_reduce(t, group=twin)
             assert t.item() == 5.0, name
         assert dist.get_backend(ps.get_data_parallel_group_gloo()) == "gloo"
+        assert ps.get_data_parallel_group_gloo(with_context_parallel=True) is st.gloo_group("dp_cp")
+        assert dist.get_backend(ps.get_expert_data_parallel_group_gloo()) == "gloo"
         assert st.locals.memory_buffer.device.type == "cuda"
         assert ps.get_tensor_model_parallel_group() is st.group("tp")
     finally:
@@ -105,18 +117,26 @@ def check_nccl_groups_meshes_twins(rank, world_size):
 
 
 def check_nccl_options_applied(rank, world_size):
+    import warnings
+
     import megashard
-    from megashard._compat import backend_options
+    from megashard._compat import backend_options, group_timeout
 
     torch.cuda.set_device(0)
-    st = _initialize(backend="nccl", device="cuda", timeout=60, nccl_communicator_config_path=os.environ[OPTIONS_ENV])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        st = _initialize(backend="nccl", device="cuda", timeout=60,
+                         nccl_communicator_config_path=os.environ[OPTIONS_ENV])
     try:
+        # torch warned at every group with options that their timeout would be overridden: megashard sets it first
+        assert not [w for w in caught if "_timeout was specified" in str(w.message)], [str(w.message) for w in caught]
         for name, wanted in NCCL_OPTIONS.items():
             pg = st.group(name)
             _collective_on(pg, 1.0, 1)  # the communicator exists now
             opts = backend_options(pg, "cuda")
             got = {k: (opts.is_high_priority_stream if k == "is_high_priority_stream" else getattr(opts.config, k))
                    for k in wanted}
+            assert group_timeout(pg, "cuda") == timedelta(seconds=60), f"group {name!r}: {group_timeout(pg, 'cuda')}"
             assert got == wanted, (f"group {name!r}: the communicator's ProcessGroupNCCL.Options are {got}, the YAML "
                                    f"asks for {wanted} (with one rank every group spans the world: the options must "
                                    "still give it a communicator of its own, as Megatron-LM creates one per group)")
@@ -128,6 +148,7 @@ def check_nccl_tp2(rank, world_size):
     import torch.distributed as dist
 
     import megashard
+    from megashard._compat import group_timeout
 
     torch.cuda.set_device(rank)
     st = _initialize(tp=2, backend="nccl", device="cuda", timeout=60)
@@ -136,7 +157,10 @@ def check_nccl_tp2(rank, world_size):
         total, gathered = _collective_on(st.group("tp"), float(rank + 1), 2)
         assert torch.equal(total, torch.full((8,), 3.0, device="cuda")), total
         assert gathered.tolist() == [1.0] * 8 + [2.0] * 8, gathered
-        assert dist.get_process_group_ranks(st.gloo_group("tp")) == [0, 1]
+        # gloo twins of the data-parallel groups only: with tp=2 on two ranks, expt_dp spans both
+        assert dist.get_process_group_ranks(st.gloo_group("expt_dp")) == st.ranks("expt_dp")
+        assert dist.get_process_group_ranks(st.gloo_group("dp")) == st.ranks("dp") == [rank]
+        assert group_timeout(st.group("tp"), "cuda") == timedelta(seconds=60)  # parallel.timeout reached NCCL
     finally:
         megashard.destroy()
 

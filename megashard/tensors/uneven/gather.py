@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from megashard._compat import dtensor_local
+from megashard._compat import dtensor_gather_crashes, dtensor_local
 from megashard.chunks import chunk_size
 from megashard.errors import UnevenDTensorError
 from megashard.tensors.uneven.dcp_hooks import attach_chunk_layout
@@ -35,6 +35,7 @@ from megashard.tensors.uneven.metadata import (
 )
 
 __all__ = [
+    "full_tensor",
     "gather_uneven_dtensor_to_full_tensor",
     "redistribute_uneven_dtensor_to_replicated",
     "uneven_dtensor_to_full_tensor",
@@ -172,6 +173,30 @@ def gather_uneven_dtensor_to_full_tensor(
         local = _reduce_partials(dtensor_local(dtensor), dtensor)
         full = _assemble(local, layout, mesh)
     return _finish(full, mesh, target_device, return_dtensor)
+
+
+def _mesh_backend(mesh: DeviceMesh) -> str:
+    """The backend of the mesh's groups ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...); "" without groups."""
+    try:
+        return ",".join(sorted({str(dist.get_backend(mesh.get_group(a))) for a in range(mesh.ndim)}))
+    except (RuntimeError, ValueError):
+        return ""
+
+
+def full_tensor(dtensor: DTensor, *, avoid_dtensor_gather: Optional[bool] = None) -> torch.Tensor:
+    """``dtensor.full_tensor()`` (the plain full tensor on every rank of the mesh; collective), by a way that works.
+
+    On a CUDA mesh over gloo some torch releases crash inside DTensor's own gather (2.11: SIGSEGV in every rank, see
+    :func:`megashard._compat.dtensor_gather_crashes`); there this gathers with broadcasts
+    (:func:`gather_uneven_dtensor_to_full_tensor`), elsewhere it is ``dtensor.full_tensor()``. No autograd on the
+    way round. ``avoid_dtensor_gather``: force the choice (None: decide from the mesh and the torch release).
+    """
+    mesh = dtensor.device_mesh
+    if avoid_dtensor_gather is None:
+        avoid_dtensor_gather = dtensor_gather_crashes(mesh.device_type, _mesh_backend(mesh))
+    if not avoid_dtensor_gather:
+        return dtensor.full_tensor()
+    return gather_uneven_dtensor_to_full_tensor(dtensor, return_dtensor=False)
 
 
 def uneven_dtensor_to_full_tensor(dtensor: DTensor) -> torch.Tensor:
