@@ -20,6 +20,7 @@ from megashard.config.yamlfile import yaml_key
 from megashard.errors import ConfigError, unknown_names
 from megashard.train.sections import (  # noqa: F401  (the section classes are importable from here too)
     ARCHS,
+    COMPILE_BACKENDS,
     CONFIG_SECTIONS,
     DTYPES,
     PIPELINE_SCHEDULE_NAMES,
@@ -221,6 +222,10 @@ class JobConfig:
             _need(vpp == 2, f"train.pipeline_schedule=zbv runs exactly two stages per rank: set parallel.vpp=2 "
                   f"(got vpp={s.vpp})")
             _need(mb >= s.pp, f"train.microbatches={mb}: zbv needs at least pp={s.pp} microbatches")
+        _need(not (t.compile and sched == "zbv"),
+              "train.compile=true cannot be combined with train.pipeline_schedule=zbv: zero-bubble splits each "
+              "backward into an input pass and a weight pass, which a compiled block's backward cannot do; use "
+              "train.pipeline_schedule=interleaved_1f1b (or 1f1b, gpipe) or train.compile=false")
         if sched == "1f1b":
             _need(mb >= s.pp, f"train.microbatches={mb}: 1f1b needs at least pp={s.pp} microbatches (every stage "
                   f"must have one in flight); use microbatches >= {s.pp} or train.pipeline_schedule=gpipe")
@@ -311,6 +316,8 @@ class JobConfig:
         _need(bool(t.out_dir), "train.out_dir must not be empty")
         _need(t.pipeline_schedule in PIPELINE_SCHEDULE_NAMES,
               f"train.pipeline_schedule={t.pipeline_schedule!r} is not supported; valid: {', '.join(PIPELINE_SCHEDULE_NAMES)}")
+        _need(t.compile_backend in COMPILE_BACKENDS, f"train.compile_backend={t.compile_backend!r} is not supported; "
+              f"valid: {', '.join(COMPILE_BACKENDS)}")
         if t.microbatches is not None:
             _need(t.microbatches >= 1, f"train.microbatches={t.microbatches} must be a positive integer or null (= pp)")
         if t.fail_at_step is not None:

@@ -103,6 +103,10 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
         m = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
                 device=device, stage=stage)
         init_parameters(m, job.parallel.seed, groups)
+        if job.train.compile:  # each block's body; FSDP's hooks stay outside (megashard.train.compile)
+            from megashard.train.compile import compile_blocks
+
+            compile_blocks(m, job.train.compile_backend)
         return m
 
     pp = state.size("pp")

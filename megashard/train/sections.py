@@ -19,6 +19,7 @@ SOURCES = ("synthetic", "text", "indexed")
 ARCHS = ("gpt", "llama")
 SCHEDULES = ("cosine", "linear", "constant")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -113,6 +114,16 @@ class TrainConfig:
     reshard_between_microbatches: bool = False
     """With a pipeline: FSDP frees the gathered parameters after every microbatch's forward (less memory, one
     all-gather per microbatch) instead of keeping them until the step's backward is done."""
+    compile: bool = False
+    """Compile every transformer block with ``torch.compile`` (its body: norms, attention, MLP; FSDP's hooks and
+    activation recompute stay outside, parameter names and checkpoints are unchanged), as torchtitan does. Works
+    with FSDP2, tp, cp, pp (``1f1b``, ``gpipe``, ``interleaved_1f1b``; not ``zbv``, whose split
+    backward a compiled block cannot do: a config error), experts and ``model.recompute``. The first step compiles (seconds to
+    minutes); losses equal the eager job's to rounding (``dropout`` > 0 draws other masks). ``inductor`` on a
+    CPU needs a C compiler."""
+    compile_backend: str = "inductor"
+    """Backend of ``train.compile``: ``inductor`` (generated fused kernels: the speed-up), ``aot_eager`` (the same
+    graphs and AOT autograd without code generation: quick to build, for tests) or ``eager`` (dynamo only)."""
 
 
 @dataclass
