@@ -1,7 +1,7 @@
 """Throughput of a 0.95 B Llama on one GPU: megashard's job (``train.compile``) against a compiled plain loop.
 
 Both sides train the same model from the same initial weights (megashard's seeded init, converted with
-:mod:`megashard.train.hf` into the Hugging Face model) on the same batches, bf16 compute with fp32 master weights:
+:mod:`megashard.models.hf` into the Hugging Face model) on the same batches, bf16 compute with fp32 master weights:
 
 * **megashard**: :func:`megashard.train.loop.build` of a ``model.arch: llama`` job (tp=1, dp_shard=1, one process)
   with ``train.compile: true`` and ``train.dtype: bfloat16`` (FSDP2's bf16 parameters, fp32 gradient reduction),
@@ -99,7 +99,7 @@ def _hf_side(job, full: dict, device: torch.device, backend: str) -> Callable[[t
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megashard.train.hf import hf_config, mapping, to_hf
+    from megashard.models.hf import hf_config, mapping, to_hf
 
     cfg = {k: v for k, v in hf_config(job.model, job.ffn_hidden).items() if k not in ("architectures", "model_type")}
     config = LlamaConfig(**cfg)

@@ -101,8 +101,8 @@ def _random_grads(model, state, seed: int) -> dict[str, float]:
     returns name -> squared norm of the full tensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from megashard.train.model import param_init_seed
-    from megashard.train.parallelize import param_layout
+    from megashard.models.gpt.model import param_init_seed
+    from megashard.models.parallelize import param_layout
 
     sq = {}
     for name, p in model.named_parameters():

@@ -41,7 +41,7 @@ LAYOUTS = {
 def _train(overrides: list[str], out: str) -> tuple[dict, dict]:
     import torch.distributed as dist
 
-    from megashard.train.compile import compiled_blocks
+    from megashard.models.compile import compiled_blocks
     from megashard.train.config import JobConfig
     from megashard.train.loop import full_parameters, train
 

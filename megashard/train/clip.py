@@ -54,7 +54,7 @@ def _reduce(sq: dict[str, torch.Tensor], has_experts: bool, state: ParallelState
     _all_reduce(sq["expert_tp"], state, "expt_tp")
     expert = sq["expert"] + sq["expert_tp"]
     if has_experts:
-        from megashard.train.parallelize import expert_shard_axis
+        from megashard.models.parallelize import expert_shard_axis
 
         _all_reduce(expert, state, "ep")
         _all_reduce(expert, state, expert_shard_axis(state))  # expert HSDP replicas are not summed

@@ -1,6 +1,6 @@
 """``train.compile``: ``torch.compile`` of every transformer block, as torchtitan compiles its blocks.
 
-What is compiled is each block's computation (:meth:`megashard.train.model.Block._body`: norms, attention, MLP or
+What is compiled is each block's computation (:meth:`megashard.models.gpt.model.Block._body`: norms, attention, MLP or
 MoE, residuals), one compiled function per block instance; everything *around* it stays eager, by design:
 
 * FSDP2's hooks (the all-gather before a block's forward, the reduce-scatter after its backward) run in the
@@ -38,7 +38,7 @@ def _blocks(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile the body of every block of ``model`` (a :class:`~megashard.train.model.GPT` or one pipeline stage of
+    """Compile the body of every block of ``model`` (a :class:`~megashard.models.gpt.model.GPT` or one pipeline stage of
     it) in place; returns the number of blocks. Call before or after ``fully_shard`` (the hooks stay outside)."""
     n = 0
     for block in _blocks(model):
