@@ -66,6 +66,7 @@ def _check(layout: str, extra: tuple = (), rtol: float = 1e-12) -> None:
     dist.broadcast_object_list(box)
     try:
         eager, e = _train(LAYOUTS[layout] + list(extra), os.path.join(box[0], "eager"))
+        torch._dynamo.reset()  # compiled code of an earlier check (same code object) would be reused: count afresh
         graphs = counters["stats"]["unique_graphs"]
         compiled, c = _train(LAYOUTS[layout] + list(extra) + ["train.compile=true"], os.path.join(box[0], "compiled"))
     finally:

@@ -289,11 +289,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             # Every rank's loss is the mean over its tokens: the mean over dp·cp ranks is the global mean.
             lsum = loss.detach().to(torch.float64 if loss.dtype == torch.float64 else torch.float32).clone()
             _all_reduce(lsum, state, "dp_cp")
-            gloss = float(lsum) / dp_cp
+            # One device-to-host copy for both numbers (each float() would wait for the device on its own).
+            if lsum.dtype == norm.dtype and lsum.device == norm.device:
+                lsum_f, norm_f = torch.stack([lsum, norm]).tolist()
+            else:
+                lsum_f, norm_f = float(lsum), float(norm)
+            gloss = lsum_f / dp_cp
             dt = time.perf_counter() - t0
             done = step + 1
-            result.losses[done], result.grad_norms[done], result.final_step = gloss, float(norm), done
-            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
+            result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
+            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens_per_step,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state, pipe)
