@@ -10,8 +10,9 @@
 Without CUDA it prints why it cannot run and exits 0 without writing results (tools/gpu-check.sh reports the skip).
 
     python benchmarks/gpu.py [--quick] [--out benchmarks/results/gpu.json]
+    python benchmarks/gpu.py --model llama-1b [--steps 10] [--smoke]     # benchmarks/llama_1b.py
 
-Prints a table and writes ``benchmarks/results/gpu.json``.
+Prints a table and writes ``benchmarks/results/gpu.json`` (``llama_1b.json``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the sibling benchmarks, also when run as `python -m`
+sys.path.insert(1, os.path.dirname(HERE))  # megashard from this checkout when it is not installed
 RESULTS = os.path.join(HERE, "results", "gpu.json")
 DEFAULT = os.path.join(os.path.dirname(HERE), "configs", "default.yaml")
 
@@ -130,8 +132,25 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--out", default=RESULTS, help="JSON output path")
+    ap.add_argument("--out", default=None, help="JSON output path (default benchmarks/results/gpu.json, llama_1b.json)")
+    ap.add_argument("--model", default="default", choices=("default", "llama-1b"),
+                    help="default: the launch-bound tiny job and the state micro-benchmarks; llama-1b: throughput of a "
+                         "0.95 B Llama, megashard compiled vs a compiled Hugging Face loop (benchmarks/llama_1b.py)")
+    ap.add_argument("--smoke", action="store_true", help="llama-1b: a scaled-down model (runs on the CPU too)")
+    ap.add_argument("--steps", type=int, default=10, help="llama-1b: timed steps per side")
+    ap.add_argument("--warmup", type=int, default=3, help="llama-1b: untimed steps first (compilation)")
+    ap.add_argument("--backend", default=None, help="llama-1b: torch.compile backend (default inductor; aot_eager on CPU)")
+    ap.add_argument("--device", default=None, choices=(None, "cuda", "cpu"), help="llama-1b: default cuda if usable")
     args = ap.parse_args(argv)
+    if args.model == "llama-1b":
+        import llama_1b
+
+        if not args.smoke and cuda_unavailable_reason():
+            print(f"benchmarks/gpu.py: skipped: the full llama-1b size needs CUDA: {cuda_unavailable_reason()} "
+                  "(--smoke runs a scaled-down model on the CPU)")
+            return 0
+        return llama_1b.main(args)
+    args.out = args.out or RESULTS
     reason = cuda_unavailable_reason()
     if reason:
         print(f"benchmarks/gpu.py: skipped: needs CUDA: {reason}")

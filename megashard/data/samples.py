@@ -85,6 +85,9 @@ class Split:
         name: the dataset, for error messages.
     """
 
+    CACHE_BLOCK = 1 << 12
+    """Training samples whose windows :meth:`train` computes together (8 bytes each, one block cached)."""
+
     def __init__(self, num_windows: int, valid_fraction: float, seed: int, key: int = 0, name: str = "") -> None:
         self.num_windows, self.seed, self.key = num_windows, seed, key
         self.num_valid = 0 if valid_fraction <= 0 else max(1, round(valid_fraction * num_windows))
@@ -95,6 +98,7 @@ class Split:
                             "use more data, a shorter model.seq_len or a smaller valid_fraction")
         self._sigma = Permutation(num_windows, mix_seed(seed, key, 0x5B11))
         self._epoch: Optional[tuple[int, Permutation]] = None
+        self._block: Optional[tuple[int, torch.Tensor]] = None  # (block, windows of its CACHE_BLOCK samples)
 
     def _tau(self, epoch: int) -> Permutation:
         if self._epoch is None or self._epoch[0] != epoch:  # steps advance monotonically: one epoch cached
@@ -102,7 +106,23 @@ class Split:
         return self._epoch[1]
 
     def train(self, t: torch.Tensor) -> torch.Tensor:
-        """Windows of training samples ``t`` (int64 tensor, any values ≥ 0: epochs repeat the data)."""
+        """Windows of training samples ``t`` (int64 tensor, any values ≥ 0: epochs repeat the data).
+
+        Samples are read in runs of consecutive numbers: the windows of the ``CACHE_BLOCK`` samples around them are
+        computed at once (one vectorised pass, then a lookup per batch; the values of :meth:`train_direct`).
+        """
+        t = t.to(torch.int64)
+        if t.numel():
+            block = int(t.min()) // self.CACHE_BLOCK
+            if int(t.max()) // self.CACHE_BLOCK == block:
+                if self._block is None or self._block[0] != block:
+                    start = block * self.CACHE_BLOCK
+                    self._block = (block, self.train_direct(torch.arange(start, start + self.CACHE_BLOCK)))
+                return self._block[1][t - block * self.CACHE_BLOCK]
+        return self.train_direct(t)
+
+    def train_direct(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`train` computed for ``t`` alone (no cache): the definition."""
         t = t.to(torch.int64)
         epoch, pos = t // self.num_train, t % self.num_train
         epochs = torch.unique(epoch).tolist()

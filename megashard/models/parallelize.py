@@ -40,8 +40,13 @@ def _saved_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[Any] = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: Optional[bool] = None) -> nn.Module:
     """Apply FSDP2 in place: experts over ``expt_dp``, each block and the root over ``state.fully_shard_mesh``.
+
+    ``reshard_after_forward``: free each block's gathered parameters after its forward (``True``: all-gather again
+    in backward) or keep them (``False``). ``None`` (the default) chooses as torchtitan does: every block but the
+    last (whose backward comes right after the forward) reshards, and none does when the FSDP mesh has one rank
+    (its "all-gather" is a copy of what it holds). Only memory and time change, never a value.
 
     Expert gradients are divided by ``dp · cp`` (not FSDP's default ``expt_dp``) because every expert
     receives the tokens of the whole ``ep`` group: the result is the average over all data-parallel
@@ -55,10 +60,16 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     mp = mp_policy or MixedPrecisionPolicy()
     mesh = state.fully_shard_mesh
     blocks = getattr(model, "blocks", [])
-    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
+    blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    for i, block in enumerate(blocks):
+        def reshard(on: Any) -> bool:
+            if reshard_after_forward is None:
+                return on.size() > 1 and i < len(blocks) - 1
+            return reshard_after_forward
+
         if isinstance(getattr(block, "mlp", None), MoE):
-            experts = fully_shard(block.mlp.experts, mesh=expert_fully_shard_mesh(state), mp_policy=mp,
-                                  reshard_after_forward=reshard_after_forward)
+            emesh = expert_fully_shard_mesh(state)
+            experts = fully_shard(block.mlp.experts, mesh=emesh, mp_policy=mp, reshard_after_forward=reshard(emesh))
             if state.size(expert_shard_axis(state)) > 1:
                 # With expt_dp = 1 torch 2.13's FSDP divides by a custom factor twice (in its world-size-1 copy and
                 # after it): then no factor here, and finish_expert_grads divides once after backward.
@@ -66,8 +77,11 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
             if dist.get_backend(state.group("expt_dp")) != "nccl":
                 # A custom factor becomes NCCL's PREMUL_SUM, which gloo lacks: divide outside the collective.
                 experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard(mesh))
+    # The root's parameters (embeddings, final norm, head) are used right at the start of backward: keep them gathered
+    # (FSDP2 does so by itself only when reshard_after_forward is left unset).
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward)
     for name, p in model.named_parameters():
         for a, v in attrs.get(name, {}).items():
             setattr(p, a, v)

@@ -20,6 +20,7 @@ from megashard.config.keys import yaml_key
 from megashard.errors import ConfigError, unknown_names
 from megashard.train.sections import (  # noqa: F401  (the section classes are importable from here too)
     ARCHS,
+    COMPILE_BACKENDS,
     CONFIG_SECTIONS,
     DTYPES,
     PIPELINE_SCHEDULE_NAMES,
@@ -242,6 +243,10 @@ class JobConfig:
             other = "train.pipeline_schedule=gpipe" if v == 1 else "parallel.vpp: null with train.pipeline_schedule=gpipe"
             _need(mb >= pp, f"train.microbatches={mb}: {sched} needs at least pp={pp} microbatches (every pipeline "
                   f"rank must have one in flight); use train.microbatches >= {pp} (null = pp) or {other}")
+        _need(not (t.compile and sched == "zbv"),
+              "train.compile=true cannot be combined with train.pipeline_schedule=zbv: zero-bubble splits each "
+              "backward into an input pass and a weight pass, which a compiled block's backward cannot do; use "
+              "train.pipeline_schedule=interleaved_1f1b (or 1f1b, gpipe) or train.compile=false")
         _need(not m.distribute_saved_activations, "model.distribute_saved_activations=true is not supported with "
               f"pipeline parallelism (parallel.pp={pp}): pipeline schedules recompute through torch.utils.checkpoint; "
               "set it to false (model.recompute=true still works)")
@@ -330,6 +335,8 @@ class JobConfig:
         _need(bool(t.out_dir), "train.out_dir must not be empty")
         _need(t.pipeline_schedule in PIPELINE_SCHEDULE_NAMES,
               f"train.pipeline_schedule={t.pipeline_schedule!r} is not supported; valid: {', '.join(PIPELINE_SCHEDULE_NAMES)}")
+        _need(t.compile_backend in COMPILE_BACKENDS, f"train.compile_backend={t.compile_backend!r} is not supported; "
+              f"valid: {', '.join(COMPILE_BACKENDS)}")
         if t.microbatches is not None:
             _need(t.microbatches >= 1, f"train.microbatches={t.microbatches} must be a positive integer or null (= pp)")
         if t.fail_at_step is not None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megashard.state.devices import current_device
+from megashard.train.clip import clip_grad_norm
 from megashard.train.config import JobConfig
 
 if TYPE_CHECKING:
@@ -74,58 +75,10 @@ def lr_at(step: int, job: JobConfig) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------- clipping
+# ---------------------------------------------------------------------------------------------- collectives
 def _all_reduce(t: torch.Tensor, state: ParallelState, name: str) -> None:
     if state.size(name) > 1:
         dist.all_reduce(t, group=state.group(name))
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: ParallelState) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of ``max_norm`` (0 = only measure); returns the norm before clipping.
-
-    Each rank holds FSDP shards of TP slices. The squared norm is summed exactly once per element:
-    TP-split parameters over ``tp`` then ``dp_shard_cp``; TP-replicated ones over ``dp_shard_cp`` only
-    (every TP rank holds the same copy); HSDP replicas (``dp_outer``) hold identical gradients and are
-    not summed; experts over ``ep`` (different experts) and ``expt_dp`` (FSDP shards), their ffn slices first over
-    ``expt_tp`` (the replicated output bias not). Pipeline stages hold
-    different parameters: the sum is then reduced over ``pp``, with the last stage's copy of a tied embedding
-    left out (it equals the first stage's, which is counted).
-    """
-    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-    device = next((p.device for p in params), torch.device("cpu"))
-    sq = {k: torch.zeros((), dtype=dtype, device=device) for k in ("tp", "rep", "expert", "expert_tp")}
-    grads = []
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        grads.append(p.grad)
-        if g.numel() == 0 or getattr(p, "_tied_copy", False):
-            continue
-        if getattr(p, "_expert_parallel", False):
-            kind = "expert_tp" if getattr(p, "_expert_tp_dim", None) is not None else "expert"
-        else:
-            kind = "tp" if getattr(p, "tensor_model_parallel", False) else "rep"
-        sq[kind] += g.detach().to(dtype).pow(2).sum()
-    _all_reduce(sq["tp"], state, "tp")
-    dense = sq["tp"] + sq["rep"]
-    _all_reduce(dense, state, "dp_shard_cp")
-    _all_reduce(sq["expert_tp"], state, "expt_tp")
-    expert = sq["expert"] + sq["expert_tp"]
-    if any(getattr(p, "_expert_parallel", False) for p in params):
-        from megashard.models.parallelize import expert_shard_axis
-
-        _all_reduce(expert, state, "ep")
-        _all_reduce(expert, state, expert_shard_axis(state))  # expert HSDP replicas are not summed
-    total = dense + expert
-    _all_reduce(total, state, "pp")
-    norm = total.sqrt()
-    if max_norm > 0:
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return norm
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -150,6 +103,10 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
         m = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
                 device=device, stage=stage)
         init_parameters(m, job.parallel.seed, groups)
+        if job.train.compile:  # each block's body; FSDP's hooks stay outside (megashard.models.compile)
+            from megashard.models.compile import compile_blocks
+
+            compile_blocks(m, job.train.compile_backend)
         return m
 
     pp = state.size("pp")
@@ -168,14 +125,9 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
         from megashard.train.hf_io import load_init_from
 
         load_init_from(model, job, state)
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if len(getattr(p, "_global_shape", p.shape)) >= 2 else no_decay).append(p)
-    o = job.optim
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True,
-    )
+    from megashard.train.optim import build_optimizer
+
+    optimizer = build_optimizer(model, job.optim)
     return model, optimizer
 
 
@@ -343,11 +295,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             # Every rank's loss is the mean over its tokens: the mean over dp·cp ranks is the global mean.
             lsum = loss.detach().to(torch.float64 if loss.dtype == torch.float64 else torch.float32).clone()
             _all_reduce(lsum, state, "dp_cp")
-            gloss = float(lsum) / dp_cp
+            # One device-to-host copy for both numbers (each float() would wait for the device on its own).
+            if lsum.dtype == norm.dtype and lsum.device == norm.device:
+                lsum_f, norm_f = torch.stack([lsum, norm]).tolist()
+            else:
+                lsum_f, norm_f = float(lsum), float(norm)
+            gloss = lsum_f / dp_cp
             dt = time.perf_counter() - t0
             done = step + 1
-            result.losses[done], result.grad_norms[done], result.final_step = gloss, float(norm), done
-            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": float(norm), "tokens": tokens_per_step,
+            result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
+            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens_per_step,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state, pipe)

@@ -19,6 +19,7 @@ DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
 SCHEDULES = ("cosine", "linear", "constant")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -66,6 +67,16 @@ class TrainConfig:
     reached it (and what they do instead), and every rank writes ``<out_dir>/doctor/rank_<r>.json`` (on a hang and at
     the end) for ``megashard doctor OUT_DIR``. Costs an in-memory counter per collective and one small store write per
     rank every ``parallel.timeout``/10 s (0.2 to 5 s); ``false`` = off."""
+    compile: bool = False
+    """Compile every transformer block with ``torch.compile`` (its body: norms, attention, MLP; FSDP's hooks and
+    activation recompute stay outside, parameter names and checkpoints are unchanged), as torchtitan does. Works
+    with FSDP2, tp, cp, pp (``1f1b``, ``gpipe``, ``interleaved_1f1b``; not ``zbv``, whose split
+    backward a compiled block cannot do: a config error), experts and ``model.recompute``. The first step compiles (seconds to
+    minutes); losses equal the eager job's to rounding (``dropout`` > 0 draws other masks). ``inductor`` on a
+    CPU needs a C compiler."""
+    compile_backend: str = "inductor"
+    """Backend of ``train.compile``: ``inductor`` (generated fused kernels: the speed-up), ``aot_eager`` (the same
+    graphs and AOT autograd without code generation: quick to build, for tests) or ``eager`` (dynamo only)."""
 
 
 @dataclass
