@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from megashard.train.sections import COMPILE_BACKENDS as BACKENDS
+from megashard.models.config import COMPILE_BACKENDS as BACKENDS
 
 __all__ = ["BACKENDS", "compile_blocks", "compiled_blocks"]
 

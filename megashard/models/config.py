@@ -11,6 +11,7 @@ from typing import Optional
 __all__ = ["ARCHS", "ModelConfig"]
 
 ARCHS = ("gpt", "llama")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # train.compile_backend: torch.compile backends of the blocks
 
 
 @dataclass

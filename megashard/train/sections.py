@@ -13,13 +13,12 @@ from typing import Any, Mapping, Optional
 
 from megashard.config.keys import reject_unknown_keys, yaml_keys
 from megashard.errors import ConfigError
-from megashard.models.config import ARCHS, ModelConfig  # noqa: F401 - the model section lives with the models
+from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig  # noqa: F401 - the model section lives with the models
 
 DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
 SCHEDULES = ("cosine", "linear", "constant")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
