@@ -119,7 +119,7 @@ class JobConfig:
     def ffn_hidden(self) -> int:
         if self.model.ffn_hidden:
             return self.model.ffn_hidden
-        from megashard.train.model import default_ffn_hidden
+        from megashard.train.sections import default_ffn_hidden
 
         return default_ffn_hidden(self.model)
 
@@ -298,6 +298,9 @@ class JobConfig:
         _need(c.load_step is None and c.load_path is None or t.resume,
               "checkpoint.load_step / checkpoint.load_path load a checkpoint but train.resume=false starts from "
               "scratch; drop one of them")
+        _need(not c.move_aside or not t.resume,
+              "checkpoint.move_aside=true moves an earlier run's checkpoints aside for a fresh start: add "
+              "train.resume=false (a resumed run continues the checkpoints in place), or drop it")
         if m.ffn_hidden is not None:
             _need(m.ffn_hidden >= 1, f"model.ffn_hidden={m.ffn_hidden} must be a positive integer or null")
         _need(m.hidden % m.heads == 0, f"model.hidden={m.hidden} must divide by model.heads={m.heads}")

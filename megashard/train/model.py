@@ -268,11 +268,9 @@ class GPT(nn.Module):
 
 def default_ffn_hidden(cfg: ModelConfig) -> int:
     """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to 64 (``llama``)."""
-    if cfg.arch == "llama":
-        from megashard.train.llama import llama_ffn_hidden
+    from megashard.train.sections import default_ffn_hidden as rule
 
-        return llama_ffn_hidden(cfg.hidden)
-    return 4 * cfg.hidden
+    return rule(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- init

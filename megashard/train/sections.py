@@ -74,6 +74,14 @@ class ModelConfig:
     Needs ``pip install 'megashard[hf]'`` (docs/hf.md)."""
 
 
+def default_ffn_hidden(model: ModelConfig) -> int:
+    """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to a multiple of 64
+    (``llama``). Plain arithmetic: the launcher validates a job without importing torch."""
+    if model.arch == "llama":
+        return -(-(8 * model.hidden) // (3 * 64)) * 64
+    return 4 * model.hidden
+
+
 @dataclass
 class TrainConfig:
     """The training loop: length, batch, precision, logging and outputs."""
@@ -179,7 +187,8 @@ class CheckpointConfig:
     save_final: bool = True
     """Also save after the last step."""
     keep: int = 2
-    """Complete checkpoints to keep (oldest deleted first); 0 = keep all."""
+    """Complete checkpoints of this run to keep (the most recently written; older ones deleted first); 0 = keep all.
+    Checkpoints of other runs (another ``run_id`` in their ``megashard.json``) are never deleted."""
     dir: Optional[str] = None
     """Checkpoint directory; ``null`` = ``<train.out_dir>/checkpoints``."""
     load_step: Optional[int] = None
@@ -190,6 +199,11 @@ class CheckpointConfig:
     load_path: Optional[str] = None
     """Start from this checkpoint directory (a ``step_<N>`` directory holding ``COMPLETE.json``, e.g. of another
     run) instead of the newest one in ``dir``; damaged → error, no fallback. Exclusive with ``load_step``."""
+    move_aside: bool = False
+    """With ``train.resume: false``: move the checkpoints an earlier run left in the checkpoint directory into its
+    subdirectory ``earlier-<date>-<time>/`` (they stay loadable with ``load_path``) before this run starts. Without
+    it such a fresh start is refused before any process starts: it would mix its checkpoints with the earlier
+    run's (and the next plain run would resume whichever step is highest)."""
     async_save: bool = field(default=False, metadata={"yaml": "async"})
     """Save in the background (DCP's asynchronous save): training stops only while the state is
     copied to host memory, then continues while the copy is written, checksummed and published (marker, rename,
