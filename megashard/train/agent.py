@@ -55,11 +55,13 @@ def is_peer_loss(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
     import torch.distributed as dist
 
+    from megashard.errors import PeerLostError
+
     seen = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        if isinstance(e, (PeerLostError, getattr(dist, "DistNetworkError", ()))):
             return True
         text = str(e).lower()
         if any(s in text for s in _PEER_LOSS):

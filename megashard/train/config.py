@@ -150,7 +150,12 @@ class JobConfig:
             if world_size is None:
                 check_world_size(w, f"world size launch.nnodes × launch.nproc_per_node = {self.launch.nnodes} × "
                                     f"{self.launch.nproc_per_node} =")
-        s = sizes if sizes is not None else self.parallel.resolve(w)
+        try:
+            s = sizes if sizes is not None else self.parallel.resolve(w)
+        except ConfigError as e:
+            if world_size is not None:
+                raise
+            raise ConfigError(f"{e}{self._nproc_hint()}") from None
         m, t = self.model, self.train
         _need(m.vocab_size % s.tp == 0,
               f"model.vocab_size={m.vocab_size} must divide by parallel.tp={s.tp} (each TP rank holds vocab/tp rows); "
@@ -195,6 +200,19 @@ class JobConfig:
             check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
         self.requested_checkpoint()
         return s
+
+    def _nproc_hint(self) -> str:
+        """``"; or run 8 processes: launch.nproc_per_node=8"``: the smallest process count per node, above the
+        configured one, for which the parallel section resolves (the launcher's world size is nnodes × that)."""
+        la = self.launch
+        for n in range(la.nproc_per_node + 1, 4 * max(la.nproc_per_node, 256) + 1):
+            try:
+                self.parallel.resolve(la.nnodes * n)
+            except ConfigError:
+                continue
+            nodes = f" (× launch.nnodes={la.nnodes} = {la.nnodes * n})" if la.nnodes > 1 else ""
+            return f"; or run {n} processes per node: launch.nproc_per_node={n}{nodes}"
+        return ""
 
     def _validate_pipeline(self, s: ResolvedSizes) -> None:
         """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
