@@ -19,7 +19,7 @@ and worker environment), with three differences:
   with :data:`EXIT_NO_RESTART`, and the agent then ends the job instead of restarting it
   (:func:`megashard._compat.elastic_agent_gives_up_on`)::
 
-      megashard run: the job stopped on the error above (rank 0); not restarted: a restart cannot fix it
+      megashard run: the job stopped on the error above; not restarted: a restart cannot fix it
 
 Exit code: 0 success, 1 the job failed, 2 it stopped on an error a restart cannot fix, 128 + N after signal N
 (a Ctrl-C or SIGINT before torchrun's own handlers are in place ends it quietly with 130).
@@ -128,10 +128,8 @@ def _summary(err: Any, max_restarts: int) -> str:
     failures = dict(getattr(err, "failures", {}) or {})
     if not failures:
         return "the job failed"
-    permanent = sorted(r for r, f in failures.items() if f.exitcode == EXIT_NO_RESTART)
-    if permanent:
-        who = f"rank {permanent[0]}" if len(permanent) == 1 else f"ranks {', '.join(map(str, permanent[:8]))}"
-        return f"the job stopped on the error above ({who}); not restarted: a restart cannot fix it"
+    if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()):  # the rank that found it printed it
+        return "the job stopped on the error above; not restarted: a restart cannot fix it"
     secondary = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
     roots = {r: f for r, f in failures.items() if f.exitcode not in secondary} or failures
     by_exit: dict[str, list[int]] = {}

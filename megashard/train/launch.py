@@ -315,12 +315,13 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         # restart of this launch shares the run id its checkpoints record (megashard.train.startpoint).
         env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job),
                RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id()}
-        # A session of its own: a Ctrl-C reaches this launcher only, which stops torchrun once, in order (below).
+        # A session of its own: a Ctrl-C reaches this launcher only, which stops torchrun once, in order (below):
+        # with SIGTERM, which torchrun passes on to its workers (a SIGINT would raise KeyboardInterrupt in each).
         proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
         code = proc.wait()
     except KeyboardInterrupt:  # Ctrl-C: torchrun stops its workers; say where the job stopped and how to go on
-        if proc is not None:
-            _stop(proc, signal.SIGINT, grace_s=60.0)
+        if proc is not None:  # SIGTERM: the workers end at once and silently, wherever they are (even importing)
+            _stop(proc, signal.SIGTERM, grace_s=60.0)
         first = "\n" if sys.stderr.isatty() else ""  # below the progress bar's line
         print(f"{first}megashard run: {stopped_line(job, since)}", file=sys.stderr, flush=True)
         return 130
