@@ -287,8 +287,8 @@ def test_messages_before_launch_name_the_way_out(tmp_path, capsys):
                        "pp × vpp = 4 × 1 = 4 pipeline stages (every stage holds at least one block); lower pp/vpp or "
                        "add layers\n")
     assert "stage 3   pp rank 3" in out.out
-    assert cli.main(["plan", cfg, "parallel.pp=4", "parallel.tp=1", "--strict"]) == 1
-    capsys.readouterr()
+    assert cli.main(["plan", cfg, "parallel.pp=4", "parallel.tp=1", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_refuses"].startswith("`megashard run` would refuse this job: model.")
     assert cli.main(["run", cfg, "parallel.pp=4", "parallel.tp=1", "--dry-run"]) == 2  # what plan warned of
     assert "model.layers=2 cannot fill pp × vpp = 4 × 1 = 4 pipeline stages" in capsys.readouterr().err
     assert cli.main(["run", cfg, "checkpoint.move_aside=true", f"train.out_dir={tmp_path}", "--dry-run"]) == 2

@@ -137,8 +137,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
-            "\nexit codes: 0 ok, 1 --strict and locality warnings or a job run would refuse (or output not writable), "
-            "2 invalid config or usage"
+            "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -274,7 +273,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"megashard plan: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
             return 1
         print(f"megashard plan: wrote {args.svg}", file=sys.stderr)
-    if args.strict and (plan["locality"]["warnings"] or refusal):
+    if args.strict and plan["locality"]["warnings"]:
         return 1
     return 0
 
