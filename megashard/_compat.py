@@ -252,7 +252,7 @@ def install_numpy_free_object_collectives() -> bool:
 install_numpy_free_object_collectives()
 
 
-# --- torchrun's elastic agent (used by megashard.train.agent) ---------------------------------------------
+# --- torchrun's elastic agent (used by megashard.launch.agent) ---------------------------------------------
 def elastic_agent_gives_up_on(exit_codes: frozenset) -> bool:
     """Make the elastic agent ``torch.distributed.run`` builds (``LocalElasticAgent``, private monitoring loop) stop
     instead of restarting the workers when a failed worker exited with one of ``exit_codes``: an error a restart

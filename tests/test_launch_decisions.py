@@ -12,7 +12,7 @@ write (``megashard.json``: the job's config and its run id):
   keys, before any process starts; the second model's own rerun: "nothing to do" in < 2 s, no process started;
 * a real SIGINT to the launcher's process group (a Ctrl-C) during training and during start-up: one line with the
   step reached and the step a rerun resumes from, no traceback, no C++ frames, no process left;
-* torchrun (``megashard.train.agent``) started directly on a resolved config whose checkpoint holds another model:
+* torchrun (``megashard.launch.agent``) started directly on a resolved config whose checkpoint holds another model:
   the workers' error is printed once and the job is not restarted (``launch.max_restarts=1`` left unused).
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def test_an_error_a_restart_cannot_fix_does_not_burn_a_torchrun_restart(shared, 
     if _steps(ck) != [4]:
         pytest.skip("needs the directory of test_a_fresh_start_never_mixes_with...")
     from megashard.train.config import JobConfig
-    from megashard.train.launch import _write_config
+    from megashard.launch.launcher import _write_config
 
     job = JobConfig.from_yaml(os.path.join(ROOT, "configs", "default.yaml"),
                               ["parallel.tp=1", "launch.nproc_per_node=2", "train.steps=8", f"checkpoint.dir={ck}",
@@ -223,8 +223,8 @@ def test_an_error_a_restart_cannot_fix_does_not_burn_a_torchrun_restart(shared, 
     cfg = str(tmp_path / "config.yaml")
     _write_config(job, cfg)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "megashard.train.agent", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "megashard.train.worker", cfg],
+    p = subprocess.run([sys.executable, "-m", "megashard.launch.agent", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "megashard.launch.worker", cfg],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, _explain(p)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
