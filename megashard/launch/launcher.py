@@ -9,14 +9,22 @@
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
 3. The checkpoint directory must not be held by another live job (:mod:`megashard.launch.ckptlock`): on a
-   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Then a corpus
+   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Where the job
+   starts is decided from the checkpoints' records, without torch (:mod:`megashard.train.startpoint`): a
+   checkpoint of another model and a fresh start into an earlier run's checkpoints are refused (exit 2; with
+   ``checkpoint.move_aside`` the earlier checkpoints are moved aside under the lock), a job already at
+   ``train.steps`` has nothing to do (exit 0). Then a corpus
    the config can prepare (``data.prepare_inputs``) and that is missing is tokenized, once
    (:func:`megashard.train.data.ensure_corpus`), and checked against the model.
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
    ``sys.executable -m megashard.launch.agent ... -m megashard.launch.worker <out_dir>/config.yaml``
    (:mod:`megashard.launch.agent` is ``torch.distributed.run`` with short output that dies with this
    launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
-   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
+   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
+   after a megashard error of a worker: a restart cannot fix it). Every process of the launch gets its run id
+   (``MEGASHARD_RUN_ID``), recorded in its checkpoints.
+5. Ctrl-C reaches this launcher only (torchrun runs in a session of its own): it stops torchrun with SIGTERM (the
+   workers end at once, silently) and prints one line: the step reached and the step a rerun resumes from.
 """
 from __future__ import annotations
 
