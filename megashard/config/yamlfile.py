@@ -62,8 +62,12 @@ def existing_configs_hint(path: str) -> str:
             continue
         if found:
             shown = ", ".join(found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
-            full = [os.path.join(where, n) if where != "." else n for n in found]
-            return f"{did_you_mean(path, full)}; the configs in {where.rstrip('/') + '/' if where != '.' else './'} are: {shown}"
+            stems = {os.path.splitext(n)[0]: n for n in found}  # compared by stem: ".yaml" and the folder match always
+            hint = did_you_mean(os.path.splitext(os.path.basename(path))[0], stems)
+            if hint:
+                close = stems[hint.split("'")[1]]
+                hint = f" (did you mean '{os.path.join(where, close) if where != '.' else close}'?)"
+            return f"{hint}; the configs in {where.rstrip('/') + '/' if where != '.' else './'} are: {shown}"
     return ""
 
 
