@@ -164,6 +164,39 @@ def test_export_hf_logits_equal(runs, arch):
     assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] == (arch == "llama")
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_export_hf_loads_and_generates_without_warnings_and_files_are_shareable(runs, tmp_path, arch):
+    """What a user uploads as it is: from_pretrained + generate(max_new_tokens=...) with every warning an error
+    (generation_config.json sets no max_length), and every file with the mode of a new file (0644 under umask 022,
+    not safetensors' 0600)."""
+    import stat
+    import warnings
+
+    root, res = runs
+    res.assert_ok(f"check_train_{arch}")
+    from megashard.train.hf_io import export_hf
+
+    out = str(tmp_path / f"share_{arch}")
+    old = os.umask(0o022)
+    try:
+        export_hf(os.path.join(root, arch, "checkpoints"), out)
+    finally:
+        os.umask(old)
+    modes = {f: stat.S_IMODE(os.stat(os.path.join(out, f)).st_mode) for f in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, {f: oct(m) for f, m in modes.items()}
+    assert "max_length" not in json.load(open(os.path.join(out, "generation_config.json")))
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf = cls.from_pretrained(out).eval()
+        with torch.no_grad():
+            got = hf.generate(ids, max_new_tokens=5)  # as a user calls it
+    assert got.shape == (1, 9) and torch.equal(got[:, :4], ids)
+    with torch.no_grad():  # greedy: each new token is the argmax of the logits of the sequence so far
+        assert int(got[0, 4]) == int(hf(ids).logits[0, -1].argmax())
+
+
 def test_export_hf_shards_and_refuses_existing_output(runs, tmp_path):
     root, res = runs
     res.assert_ok("check_train_gpt")

@@ -282,10 +282,10 @@ def test_data_config_errors(tmp_path):
 
     for overrides, message in [
         (["data.source=indexed"], "needs data.path (one dataset) or data.blend"),
-        (["data.source=indexed", "data.blend=[[0.5, a], [0, b]]"], "got the entry [0, 'b']"),
+        (["data.source=indexed", "data.blend=[[0.5, a], [0, b]]"], "data.blend weight 0 of b must be a finite number > 0"),
         (["data.source=indexed", "data.blend=[a, b]"], "must be a non-empty list of [weight, path] pairs"),
         (["data.source=indexed", f"data.path={tmp_path}/none"], "none: no such dataset: neither"),
-        (["data.source=indexed", "data.path=x", "data.prepare_inputs=a.txt"], "data.prepare_inputs must be a non-empty list"),
+        (["data.source=indexed", "data.path=x", "data.prepare_inputs=a.txt"], "data.prepare_inputs='a.txt' must be a list of strings such as [a, b]"),
         (["train.eval_interval=10"], "train.eval_interval=10 needs validation data: set data.valid_fraction > 0"),
         (["data.valid_fraction=1.0"], "data.valid_fraction=1.0 must be in [0, 1)"),
         (["model.arch=bert"], "model.arch='bert' is not supported; valid: gpt, llama"),

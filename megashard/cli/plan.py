@@ -132,7 +132,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG}\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 32 --tp 4\n"
             "  megashard plan configs/modules/vision-llm.yaml\n"
-            f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 parallel.dp_shard=-1 --rank 5\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 model.layers=4 parallel.dp_shard=-1 --rank 5\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
@@ -236,6 +236,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if flags:
             config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
     sizes = config.resolve(world_size)  # the one resolve of this process
+    if job is not None:
+        job.check_pipeline(sizes.pp, sizes.vpp)  # what `run` refuses for any world size: the model fills the stages
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
