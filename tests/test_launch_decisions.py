@@ -281,16 +281,19 @@ def test_messages_before_launch_name_the_way_out(tmp_path, capsys):
     assert err.startswith(f"megashard run: error: config file '{ROOT}/configs/defualt.yaml' does not exist (did you "
                           f"mean '{ROOT}/configs/default.yaml'?); the configs in {ROOT}/configs/ are: default.yaml, ")
     assert "pp.yaml" in err and err.count("\n") == 1
-    assert cli.main(["plan", cfg, "parallel.pp=4", "parallel.tp=1"]) == 0
+    # plan checks a job as run does (the same JobConfig.validate): what run would refuse is a warning line
+    assert cli.main(["plan", cfg, "model.vocab_size=255"]) == 0
     out = capsys.readouterr()
-    assert out.err == ("megashard plan: warning: `megashard run` would refuse this job: model.layers=2 cannot fill "
-                       "pp × vpp = 4 × 1 = 4 pipeline stages (every stage holds at least one block); lower pp/vpp or "
-                       "add layers\n")
-    assert "stage 3   pp rank 3" in out.out
-    assert cli.main(["plan", cfg, "parallel.pp=4", "parallel.tp=1", "--format", "json"]) == 0
+    assert out.err == ("megashard plan: warning: `megashard run` would refuse this job: model.vocab_size=255 must "
+                       "divide by parallel.tp=2 (each TP rank holds vocab/tp rows); pad it to 256\n")
+    assert "tp" in out.out
+    assert cli.main(["plan", cfg, "model.vocab_size=255", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["run_refuses"].startswith("`megashard run` would refuse this job: model.")
-    assert cli.main(["run", cfg, "parallel.pp=4", "parallel.tp=1", "--dry-run"]) == 2  # what plan warned of
-    assert "model.layers=2 cannot fill pp × vpp = 4 × 1 = 4 pipeline stages" in capsys.readouterr().err
+    assert cli.main(["plan", cfg, "--world-size", "8", "parallel.tp=8"]) == 0
+    assert capsys.readouterr().err == ("megashard plan: warning: `megashard run` would refuse this job at world size "
+                                       "8: model.heads=4 must divide by parallel.tp=8; valid tp: 1, 2, 4\n")
+    assert cli.main(["run", cfg, "model.vocab_size=255", "--dry-run"]) == 2  # what plan warned of
+    assert "model.vocab_size=255 must divide by parallel.tp=2" in capsys.readouterr().err
     assert cli.main(["run", cfg, "checkpoint.move_aside=true", f"train.out_dir={tmp_path}", "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith("megashard run: error: checkpoint.move_aside=true moves an earlier run's "
                                               "checkpoints aside for a fresh start: add train.resume=false")
