@@ -39,6 +39,11 @@ class RankMismatchError(ConfigError):
     """Ranks of one job disagree on their config, megashard version or torch version (names ranks and fields)."""
 
 
+class PeerLostError(MegashardError, RuntimeError):
+    """A peer process closed its connection during a collective megashard runs (another rank exited or crashed):
+    the message says where, and that the other rank's own error tells why."""
+
+
 class StateError(MegashardError, RuntimeError):
     """Parallel state used before initialisation, twice, or after teardown."""
 

@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from megashard.errors import CheckpointCorruptedError, ConfigError, RankMismatchError
-from megashard.launch.agent import EXIT_PEER_LOST, _summary, describe_exit, is_peer_loss
+from megashard.errors import CheckpointCorruptedError, ConfigError, PeerLostError, RankMismatchError
+from megashard.launch.agent import EXIT_NO_RESTART, EXIT_PEER_LOST, _summary, describe_exit, is_peer_loss
 from megashard.launch.worker import _prints
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -31,9 +31,12 @@ def test_the_final_summary_names_root_failures_not_their_victims():
     err = ChildFailedError("megashard.launch.worker", {0: _failure(0, sigterm, 10), 1: _failure(1, 1, 9),
                                                       2: _failure(2, EXIT_PEER_LOST, 8), 3: _failure(3, sigterm, 10)})
     assert _summary(err, 1) == "rank 1 failed (exit code 1); no restarts left (launch.max_restarts=1)"
-    err = ChildFailedError("w", {0: _failure(0, 2, 5), 2: _failure(2, 2, 5), 1: _failure(1, -9, 4)})
-    assert _summary(err, 0) == "rank 1 failed (killed by SIGKILL); ranks 0, 2 failed (exit code 2); " \
+    err = ChildFailedError("w", {0: _failure(0, 3, 5), 2: _failure(2, 3, 5), 1: _failure(1, -9, 4)})
+    assert _summary(err, 0) == "rank 1 failed (killed by SIGKILL); ranks 0, 2 failed (exit code 3); " \
                                "no restarts (launch.max_restarts=0)"
+    # A worker's megashard error (printed by the rank that found it): the job was not restarted for it.
+    err = ChildFailedError("w", {0: _failure(0, EXIT_NO_RESTART, 5), 1: _failure(1, EXIT_PEER_LOST, 6)})
+    assert _summary(err, 1) == "the job stopped on the error above; not restarted: a restart cannot fix it"
     only_victims = ChildFailedError("w", {3: _failure(3, EXIT_PEER_LOST, 1)})
     assert _summary(only_victims, 2).startswith("rank 3 failed (lost its peers); no restarts left")
 
@@ -46,6 +49,7 @@ def test_exit_codes_read_as_words():
 def test_peer_loss_is_found_through_the_cause_chain():
     assert is_peer_loss(RuntimeError(GLOO_RESET))
     assert is_peer_loss(dist.DistNetworkError("failed to reach the store"))
+    assert is_peer_loss(PeerLostError("rank 1: a peer closed its connection during megashard's config check"))
     try:
         try:
             raise RuntimeError("Connection closed by peer [127.0.0.1]:36239")

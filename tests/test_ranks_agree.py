@@ -145,7 +145,13 @@ def check_a_rank_that_never_joins_times_out(rank, world_size):
         try:
             check_ranks_agree(fields, timeout=TIMEOUT)
         except RuntimeError as e:
-            assert re.search("(?i)closed|reset", str(e)), str(e)
+            from megashard.errors import PeerLostError
+
+            # What happened, not "not every rank joined ... within 20 s": no 20 s passed.
+            assert isinstance(e, PeerLostError), repr(e)
+            assert str(e).startswith("rank 1: a peer closed its connection during megashard's config check, "), str(e)
+            assert "(not a timeout: parallel.timeout=20 s): another rank exited or crashed" in str(e), str(e)
+            assert re.search("(?i)closed|reset", str(e.__cause__)), str(e.__cause__)
         assert time.monotonic() - t0 < 5.0
 
 

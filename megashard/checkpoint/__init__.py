@@ -17,9 +17,25 @@ The package holds one concept per module:
 * Megatron-LM's building blocks, with its names: :mod:`~megashard.checkpoint.mapping` (``ShardedTensor``),
   :mod:`~megashard.checkpoint.distribution` (``distribute_shards_to_ranks``) and
   :mod:`~megashard.checkpoint.exchange` (``exchange_loaded_tensors_*``).
+
+The package's names are imported on first use, so the pure file handling (``safety``, ``checksums``) loads
+without torch: ``megashard run`` reads a checkpoint's records before it starts any process.
 """
-from megashard.checkpoint.loading import LoadReport, load
-from megashard.checkpoint.safety import latest_checkpoint, list_checkpoints
-from megashard.checkpoint.saving import save
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["LoadReport", "latest_checkpoint", "list_checkpoints", "load", "save"]
+
+_HOME = {"LoadReport": "loading", "load": "loading", "latest_checkpoint": "safety", "list_checkpoints": "safety",
+         "save": "saving"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        import importlib
+
+        value = getattr(importlib.import_module(f"megashard.checkpoint.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megashard.checkpoint' has no attribute {name!r}")

@@ -158,7 +158,8 @@ class AsyncSaver:
 
     def save(self, root: str, step: int, *, sections: dict, consumed_samples: Optional[int] = None,
              keep_last: Optional[int] = None, checksum: str = "crc32", overwrite: bool = False, parallel_state=None,
-             sync_files: bool = True, thread_count: int = 1, job: Optional[dict] = None) -> str:
+             sync_files: bool = True, thread_count: int = 1, job: Optional[dict] = None,
+             run_id: Optional[str] = None) -> str:
         """Start saving ``sections`` as the checkpoint of ``step`` under ``root``; returns its (future) path.
 
         Arguments as for :func:`megashard.checkpoint.save`. Returns once the state is staged in host memory; the
@@ -194,7 +195,7 @@ class AsyncSaver:
                     raise unwrap_dcp_error(e) from None
                 finish(writer, metadata, sd, root=root, final=final, tmp=tmp, step=step, checksum=checksum,
                        overwrite=overwrite, keep_last=keep_last, consumed_samples=consumed_samples, data_state=None,
-                       layout=layout, job=job, group=group)
+                       layout=layout, job=job, group=group, run_id=run_id)
             except BaseException as e:  # noqa: BLE001 - reported by wait()
                 pending.error = e
 

@@ -75,6 +75,7 @@ def load(
     verify: bool = True,
     strict: bool = True,
     restore_rng: bool = True,
+    log: bool = True,
 ) -> LoadReport:
     """Load a checkpoint into ``model`` / ``optimizer`` / ``state_dict``, in the current layout.
 
@@ -98,6 +99,8 @@ def load(
             CheckpointCorruptedError, load another checkpoint.
         strict: every requested key must be in the checkpoint (False: load what is there, list the rest).
         restore_rng: restore (or re-seed) RNG states; False leaves the generators alone.
+        log: log the report's summary on rank 0 (logger ``megashard.checkpoint``; a warning when something was
+            re-seeded, recomputed or is missing). False: the caller reports what matters to its users.
 
     Returns: a :class:`LoadReport`; ``report.data_state`` is this rank's data-loader state if restored.
     Raises: CheckpointNotFoundError, CheckpointCorruptedError (naming the file), CheckpointError.
@@ -126,7 +129,7 @@ def load(
                         data="not saved", missing_keys=missing, notes=notes)
     _, err = capture(rank_state.restore_rank_state, report, ckpt, info, st, rank, seed, restore_rng)
     agree(None, err)
-    if rank == 0:
+    if rank == 0 and log:
         changed = report.rng == "reseeded" or report.data == "recomputed" or report.missing_keys or report.notes
         (logger.warning if changed else logger.info)("%s", report.summary())
     return report

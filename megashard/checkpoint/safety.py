@@ -49,6 +49,7 @@ __all__ = [
     "latest_checkpoint",
     "read_marker",
     "resolve_checkpoint",
+    "run_of",
     "verify_files",
     "write_json_atomic",
     "write_marker",
@@ -367,22 +368,60 @@ def commit_checkpoint(tmp_dir: str, final_dir: str, *, overwrite: bool = False) 
     fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
 
 
-def apply_retention(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (and incomplete step dirs older than them).
+def run_of(ckpt_dir: str) -> Optional[str]:
+    """The id of the run that saved checkpoint ``ckpt_dir`` (``run_id`` of its layout file; ``""`` when it records
+    none, e.g. saved by an earlier megashard version), or None when the layout file is unreadable."""
+    try:
+        with open(os.path.join(ckpt_dir, LAYOUT_FILE), encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return str(info.get("run_id") or "") if isinstance(info, dict) else None
 
-    Returns the removed paths. ``keep_last`` must be >= 1.
+
+def _created(entry: CheckpointEntry) -> tuple[float, int]:
+    """Recency of a complete checkpoint: when its marker says it was completed (else its marker file's mtime)."""
+    path = os.path.join(entry.path, MARKER_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            created = float(json.load(f).get("created") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        created = 0.0
+    if not created:
+        try:
+            created = os.path.getmtime(path)
+        except OSError:
+            created = 0.0
+    return created, entry.step
+
+
+def apply_retention(root: str, keep_last: int, *, run_id: Optional[str] = None,
+                    protect: Optional[str] = None) -> list[str]:
+    """Delete all but the ``keep_last`` most recently completed checkpoints; returns the removed paths.
+
+    Recency is the completion time the marker records (not the step number: a run that starts over at step 0
+    next to older, higher steps keeps its own newest). ``protect``: a checkpoint never deleted (the one just
+    written). ``run_id``: only checkpoints of that run are candidates (see :func:`run_of`; ``""`` = those that
+    record no run); None = every complete checkpoint of ``root``, plus incomplete step directories of lower steps
+    than every kept one. ``keep_last`` must be >= 1.
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise CheckpointError(f"keep_last must be an int >= 1 (or None to keep everything), got {keep_last!r}")
     entries = list_checkpoints(root)
-    complete = [e for e in entries if e.complete]
+    complete = [e for e in entries if e.complete and (run_id is None or run_of(e.path) == run_id)]
     if len(complete) <= keep_last:
         return []
-    oldest_kept = complete[-keep_last].step
+    keep_path = os.path.abspath(protect) if protect else None
+    ordered = sorted(complete, key=_created, reverse=True)  # newest first
+    kept = [e for e in ordered if os.path.abspath(e.path) == keep_path]
+    kept += [e for e in ordered if e not in kept][: max(0, keep_last - len(kept))]
+    doomed = [e for e in complete if e not in kept]
+    if run_id is None:  # incomplete step directories below every kept step (partial copies, killed old saves)
+        lowest = min(e.step for e in kept)
+        doomed += [e for e in entries if not e.complete and e.step < lowest]
     removed = []
-    for e in entries:
-        if e.step < oldest_kept:
-            _remove_tree(e.path)
-            removed.append(e.path)
+    for e in sorted(doomed, key=lambda e: e.step):
+        _remove_tree(e.path)
+        removed.append(e.path)
     fsync_dir(root)
     return removed

@@ -57,6 +57,7 @@ def save(
     sync_files: bool = True,
     thread_count: int = 1,
     job: Optional[dict] = None,
+    run_id: Optional[str] = None,
 ) -> str:
     """Save a checkpoint of ``step`` under ``root`` (collective over the default process group).
 
@@ -80,6 +81,10 @@ def save(
         thread_count: writer threads per rank.
         job: the job's config (a YAML-ready dict, e.g. ``JobConfig.to_dict()``), recorded in ``megashard.json``
             so offline tools (``megashard ckpt export-hf``) know the model.
+        run_id: the id of the run that saves (recorded in ``megashard.json``); with ``keep_last``, retention then
+            deletes only this run's older checkpoints (:func:`megashard.checkpoint.safety.apply_retention`). Without
+            it retention considers every checkpoint of ``root``. Either way the newest ``keep_last`` by completion
+            time are kept, and never the checkpoint just written.
 
     Returns: the path of the complete checkpoint.
     """
@@ -100,7 +105,7 @@ def save(
 
     removed = finish(writer, metadata, sd, root=root, final=final, tmp=tmp, step=step, checksum=checksum,
                      overwrite=overwrite, keep_last=keep_last, consumed_samples=consumed_samples, data_state=data_state,
-                     layout=layout, job=job)
+                     layout=layout, job=job, run_id=run_id)
     rank, world = rank_world()
     if rank == 0:
         logger.info("saved checkpoint %s (%d ranks, %.2f s)%s", final, world, time.perf_counter() - t0,
@@ -158,7 +163,7 @@ def begin(root: str, step: int, final: str, tmp: str, overwrite: bool, model, op
 
 def finish(writer: ChecksummingFileSystemWriter, metadata, sd: dict, *, root: str, final: str, tmp: str, step: int,
            checksum: str, overwrite: bool, keep_last: Optional[int], consumed_samples: Optional[int], data_state: Any,
-           layout: dict, job: Optional[dict], group=None) -> list:
+           layout: dict, job: Optional[dict], group=None, run_id: Optional[str] = None) -> list:
     """Steps 2-3 (collective over ``group``): per-rank state (the data files were hashed, whole and per item, as
     they were written); then rank 0 writes the layout file and the marker (last), publishes the directory by
     renaming it and applies retention. Returns the paths retention removed."""
@@ -167,7 +172,7 @@ def finish(writer: ChecksummingFileSystemWriter, metadata, sd: dict, *, root: st
     return agree(records, err, group=group, rank0=lambda gathered: _publish(
         gathered, root=root, final=final, tmp=tmp, step=step, checksum=checksum, overwrite=overwrite,
         keep_last=keep_last, consumed_samples=consumed_samples, layout=layout,
-        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}, job=job))
+        sections={k: len(dcp_flatten_state_dict({k: v})[0]) for k, v in sd.items()}, job=job, run_id=run_id))
 
 
 def _collect_checked(model, optimizer, state_dict: Optional[dict], sections: Optional[dict], data_state: Any) -> dict:
@@ -196,7 +201,7 @@ def _write_rank_files(writer: ChecksummingFileSystemWriter, metadata, tmp: str, 
 
 def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, checksum: str, overwrite: bool,
              keep_last: Optional[int], consumed_samples: Optional[int], layout: dict, sections: dict,
-             job: Optional[dict] = None) -> list:
+             job: Optional[dict] = None, run_id: Optional[str] = None) -> list:
     """Rank 0: layout file, marker (last), rename to the final name, retention. Returns the removed paths."""
     all_files: dict = {}
     all_items: dict = {}
@@ -208,11 +213,14 @@ def _publish(gathered: list, *, root: str, final: str, tmp: str, step: int, chec
         "consumed_samples": consumed_samples, "layout": layout, "sections": sections,
         "has_data_state": any(has for _, _, has in gathered), "torch": torch.__version__,
         "megashard": _megashard_version(), "created": time.time(), **({"job": job} if job is not None else {}),
+        **({"run_id": run_id} if run_id is not None else {}),
     })
     all_files[safety.LAYOUT_FILE] = checksums.file_record(os.path.join(tmp, safety.LAYOUT_FILE), checksum)
     safety.write_marker(tmp, step, all_files, checksum, all_items)
     safety.commit_checkpoint(tmp, final, overwrite=overwrite)
-    return safety.apply_retention(root, keep_last) if keep_last is not None else []
+    if keep_last is None:
+        return []
+    return safety.apply_retention(root, keep_last, run_id=run_id, protect=final)
 
 
 def _megashard_version() -> str:

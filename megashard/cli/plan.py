@@ -120,6 +120,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
+            "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
             "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
     )
@@ -237,12 +238,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     svg = None
     if args.svg:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
-    placement = None
+    placement = refusal = None
     if job is not None:
         from megashard.train.placement import format_placement, model_placement
 
         placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
         plan["model_placement"] = placement
+        refusal = run_refusal(job, sizes, launch_world_size(job.to_dict()))
+        if refusal:
+            plan["run_refuses"] = refusal
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")
@@ -252,11 +256,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if placement is not None:
             table += "\n".join(format_placement(placement)) + "\n"
         sys.stdout.write(table)
+    if refusal:
+        print(f"megashard plan: warning: {refusal}", file=sys.stderr)
     if svg is not None and not write_svg(args.svg, svg):
         return 1
     if args.strict and plan["locality"]["warnings"]:
         return 1
     return 0
+
+
+def run_refusal(job: Any, sizes: Any, job_world: int | None) -> str | None:
+    """What ``megashard run`` would refuse in this job laid out as ``sizes`` (the same
+    :meth:`~megashard.train.config.JobConfig.validate`), as one line; None when it would run."""
+    try:
+        job.validate(sizes=sizes)
+    except ConfigError as e:
+        at = "" if sizes.world_size == job_world else f" at world size {sizes.world_size}"
+        return f"`megashard run` would refuse this job{at}: {e}"
+    return None
 
 
 def _cmd_plan_modules(args: argparse.Namespace, doc: dict[str, Any], flags: dict[str, Any], names: list[str] | None) -> int:

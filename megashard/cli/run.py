@@ -26,8 +26,10 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard run {DEFAULT_CONFIG} train.steps=50 parallel.tp=1 parallel.dp_shard=4\n"
             "  megashard run configs/hsdp.yaml launch.max_restarts=2\n"
             f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
-            "\nexit codes: 0 ok, 1 the job failed, 2 invalid config or usage, or a checkpoint directory another live "
-            "job holds (no process started)"
+            "\nexit codes: 0 ok (or nothing to do: the checkpoint is at train.steps), 1 the job failed (rerun to resume), "
+            "2 invalid config or usage, a checkpoint of another model, a fresh start (train.resume=false) into an "
+            "earlier run's checkpoints, or a checkpoint directory another live job holds (no process started), or an "
+            "error of the job that a restart cannot fix; 130 stopped by Ctrl-C"
         ),
     )
     add_config_arguments(p, f"job YAML (e.g. {DEFAULT_CONFIG}); see docs/config.md",
@@ -37,6 +39,12 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from megashard.launch.launcher import run
+    import sys
 
-    return run(args.config, args.overrides, dry_run=args.dry_run)
+    try:
+        from megashard.launch.launcher import run
+
+        return run(args.config, args.overrides, dry_run=args.dry_run)
+    except KeyboardInterrupt:  # before the job started (a Ctrl-C after it is reported by run())
+        print("megashard run: interrupted before the job started; nothing was started", file=sys.stderr)
+        return 130

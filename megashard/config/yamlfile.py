@@ -122,6 +122,28 @@ def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{path}: not valid YAML{where}: {problem}" + (f" ({context})" if context else ""))
 
 
+def existing_configs_hint(path: str) -> str:
+    """``" (did you mean 'configs/default.yaml'?); configs in configs/: default.yaml, hsdp.yaml, ..."``: the YAML
+    files next to a missing config ``path`` (else in ``./configs``), for its error line; "" when there are none."""
+    from megashard.errors import did_you_mean
+
+    folder = os.path.dirname(path)
+    for where in ([folder] if folder else []) + ["configs", "."]:
+        try:
+            found = sorted(n for n in os.listdir(where or ".") if n.endswith((".yaml", ".yml")))
+        except OSError:
+            continue
+        if found:
+            shown = ", ".join(found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
+            stems = {os.path.splitext(n)[0]: n for n in found}  # compared by stem: ".yaml" and the folder match always
+            hint = did_you_mean(os.path.splitext(os.path.basename(path))[0], stems)
+            if hint:
+                close = stems[hint.split("'")[1]]
+                hint = f" (did you mean '{os.path.join(where, close) if where != '.' else close}'?)"
+            return f"{hint}; the configs in {where.rstrip('/') + '/' if where != '.' else './'} are: {shown}"
+    return ""
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping safely (no arbitrary Python objects); a duplicate key is an error.
 
@@ -130,7 +152,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     or too large once aliases are expanded (:func:`parse_yaml`), or whose top level is not a mapping.
     """
     if not os.path.exists(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        raise ConfigError(f"config file {path!r} does not exist{existing_configs_hint(path)}")
     if os.path.isdir(path):
         try:
             found = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))

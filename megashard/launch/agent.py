@@ -13,9 +13,16 @@ and worker environment), with three differences:
 
   Other warnings and errors of torchrun are still shown, one line each, prefixed ``megashard run: torchrun:``.
 - workers that only **lost their peers** (a gloo/NCCL connection broke because another worker died) exit
-  quietly with :data:`EXIT_PEER_LOST` instead of printing a traceback (see :func:`is_peer_loss`).
+  quietly with :data:`EXIT_PEER_LOST` instead of printing a traceback (see :func:`is_peer_loss`);
+- **no restart for an error a restart cannot fix**: a worker that stops on a megashard error (a bad config, a
+  checkpoint of another model, a damaged requested checkpoint: printed once, by the rank that found it) exits
+  with :data:`EXIT_NO_RESTART`, and the agent then ends the job instead of restarting it
+  (:func:`megashard._compat.elastic_agent_gives_up_on`)::
 
-Exit code: 0 success, 1 the job failed, 128 + N after signal N.
+      megashard run: the job stopped on the error above; not restarted: a restart cannot fix it
+
+Exit code: 0 success, 1 the job failed, 2 it stopped on an error a restart cannot fix, 128 + N after signal N
+(a Ctrl-C or SIGINT before torchrun's own handlers are in place ends it quietly with 130).
 """
 from __future__ import annotations
 
@@ -29,6 +36,9 @@ __all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit"]
 
 EXIT_PEER_LOST = 75
 """Exit code of a worker whose collective failed because another worker died (EX_TEMPFAIL)."""
+EXIT_NO_RESTART = 2
+"""Exit code of a worker that stopped on a megashard error (:class:`megashard.errors.MegashardError`): the same
+start would fail the same way, so the agent does not restart the job (and exits with this code itself)."""
 
 #: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
 _PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
@@ -45,11 +55,13 @@ def is_peer_loss(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
     import torch.distributed as dist
 
+    from megashard.errors import PeerLostError
+
     seen = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        if isinstance(e, (PeerLostError, getattr(dist, "DistNetworkError", ()))):
             return True
         text = str(e).lower()
         if any(s in text for s in _PEER_LOSS):
@@ -116,6 +128,8 @@ def _summary(err: Any, max_restarts: int) -> str:
     failures = dict(getattr(err, "failures", {}) or {})
     if not failures:
         return "the job failed"
+    if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()):  # the rank that found it printed it
+        return "the job stopped on the error above; not restarted: a restart cannot fix it"
     secondary = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
     roots = {r: f for r, f in failures.items() if f.exitcode not in secondary} or failures
     by_exit: dict[str, list[int]] = {}
@@ -146,19 +160,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     die_with_parent(env_pid("MEGASHARD_LAUNCHER_PID"))
     os.environ["MEGASHARD_AGENT_PID"] = str(os.getpid())  # the workers' lifeline
 
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    _quiet_torchrun_logs(_Reporter(args.nnodes, hostname()))
     try:
-        run(args)
-    except ChildFailedError as e:
-        _say(_summary(e, int(args.max_restarts)))
-        return 1
-    except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
-        return 128 + int(e.sigval)
+        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+
+        from megashard._compat import elastic_agent_gives_up_on
+
+        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+        _quiet_torchrun_logs(_Reporter(args.nnodes, hostname()))
+        elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}))
+        try:
+            run(args)
+        except ChildFailedError as e:
+            _say(_summary(e, int(args.max_restarts)))
+            failures = dict(getattr(e, "failures", {}) or {})
+            return EXIT_NO_RESTART if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()) else 1
+        except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
+            return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # a SIGINT before torchrun's handlers (imports, rendezvous): the launcher reports it
+        return 128 + int(signal.SIGINT)
     return 0
 
 

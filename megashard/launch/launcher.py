@@ -9,14 +9,22 @@
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
 3. The checkpoint directory must not be held by another live job (:mod:`megashard.train.ckptlock`): on a
-   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Then a corpus
+   single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Where the job
+   starts is decided from the checkpoints' records, without torch (:mod:`megashard.train.startpoint`): a
+   checkpoint of another model and a fresh start into an earlier run's checkpoints are refused (exit 2; with
+   ``checkpoint.move_aside`` the earlier checkpoints are moved aside under the lock), a job already at
+   ``train.steps`` has nothing to do (exit 0). Then a corpus
    the config can prepare (``data.prepare_inputs``) and that is missing is tokenized, once
    (:func:`megashard.train.data.ensure_corpus`), and checked against the model.
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
    ``sys.executable -m megashard.launch.agent ... -m megashard.launch.worker <out_dir>/config.yaml``
    (:mod:`megashard.launch.agent` is ``torch.distributed.run`` with short output that dies with this
    launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
-   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
+   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
+   after a megashard error of a worker: a restart cannot fix it). Every process of the launch gets its run id
+   (``MEGASHARD_RUN_ID``), recorded in its checkpoints.
+5. Ctrl-C reaches this launcher only (torchrun runs in a session of its own): it stops torchrun with SIGTERM (the
+   workers end at once, silently) and prints one line: the step reached and the step a rerun resumes from.
 """
 from __future__ import annotations
 
@@ -216,20 +224,64 @@ def _exit_on_sigterm():
         return None
 
 
+def stopped_line(job: JobConfig, since: float) -> str:
+    """What a user reads after stopping the job (Ctrl-C): the last step this launch trained (metrics.jsonl records
+    written since ``since``, a time.time()) and the step a rerun resumes from (the newest complete checkpoint)."""
+    from megashard.checkpoint.safety import latest_checkpoint, read_marker
+    from megashard.errors import CheckpointError
+    from megashard.train.metrics import read_metrics
+
+    steps = [r.get("step", 0) for r in read_metrics(os.path.join(job.out_dir, "metrics.jsonl"))
+             if r.get("time", 0.0) >= since]
+    where = f"stopped at step {max(steps)}" if steps else "stopped during start-up, before the first step"
+    newest = latest_checkpoint(job.checkpoint_dir)
+    try:
+        resume = read_marker(newest).step if newest else None
+    except CheckpointError:
+        resume = None
+    if resume is None:
+        return f"{where}; no checkpoint was saved: rerun the same command to start again"
+    how = "rerun the same command" if job.train.resume else "rerun without train.resume=false"
+    return f"{where}; {how} to resume from step {resume}"
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
+    """Send ``sig`` to torchrun (it stops its workers) and wait up to ``grace_s``; then kill it (the workers follow
+    through their lifelines)."""
+    try:
+        proc.send_signal(sig)
+        proc.wait(timeout=grace_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):  # a second Ctrl-C, or torchrun hangs
+        proc.kill()
+        proc.wait()
+
+
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
-    """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
-    or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
-    from megashard.launch.preflight import check_job_here
+    """Validate and launch; returns the exit code (0 ok or nothing to do, 1 the job failed, 2 a bad config raised as
+    ConfigError — a checkpoint of another model, a fresh start into an earlier run's checkpoints included —, a
+    checkpoint directory held by another live job raised as CheckpointLockedError, or an error of the job that a
+    restart cannot fix; 130 after Ctrl-C)."""
+    import time
+
+    from megashard.train.startpoint import RUN_ID_ENV, find_start, move_aside, new_run_id
 
     plan = plan_launch(config, overrides)
     job, s = plan.job, plan.sizes
-    check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
         from megashard.train.ckptlock import check_free
-        from megashard.train.data import check_corpus, ensure_corpus
 
         # Refuse before anything is printed or written (one line); the lock is taken below.
         check_free(job.checkpoint_dir, lock_id(job))
+    start = find_start(job)  # from the checkpoints' records: another model, an earlier run's checkpoints, done
+    if start.finished and not dry_run:
+        print(f"megashard run: {job.name}: {start.finished}", file=sys.stderr)
+        return 0
+    from megashard.launch.preflight import check_job_here
+
+    check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
+    if not dry_run:
+        from megashard.train.data import check_corpus, ensure_corpus
+
         if ensure_corpus(job):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
             check_corpus(job, s.tp)  # validate() let the corpus be missing: check the one just prepared
     keys = ("tp", "cp", "pp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
@@ -239,7 +291,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         layout += f"{vpp} ({job.train.pipeline_schedule}, {job.microbatches(s.pp)} microbatches)"
     print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
           f"{job.launch.nproc_per_node}), {layout}, {job.train.steps} steps → {job.out_dir}", file=sys.stderr)
-    for note in plan.notes:
+    for note in plan.notes + ([start.finished] if start.finished else []):
         print(f"megashard run: {note}", file=sys.stderr)
     if dry_run:
         print(shlex.join(plan.command))
@@ -251,6 +303,10 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
               f"{e.strerror or e}", file=sys.stderr)
         return 2
     try:
+        if start.earlier and lock is not None:  # train.resume=false checkpoint.move_aside=true (several nodes: rank 0)
+            dest = move_aside(job, start.earlier)
+            print(f"megashard run: moved the earlier run's checkpoints (steps "
+                  f"{', '.join(str(e.step) for e in start.earlier)}) into {dest}/", file=sys.stderr)
         _write_config(job, plan.config_path)
     except OSError as e:
         if lock is not None:
@@ -259,20 +315,37 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
               f"{e.strerror or e}", file=sys.stderr)
         return 2
     previous = _exit_on_sigterm()
+    since = time.time()
+    proc = None
     try:
         sys.stderr.flush()
-        # The lifelines of torchrun (megashard.launch.agent) and of the workers hang on these pids.
-        env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job)}
-        proc = subprocess.run(plan.command, env=env)
-    except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
+        # The lifelines of torchrun (megashard.launch.agent) and of the workers hang on these pids; every process and
+        # restart of this launch shares the run id its checkpoints record (megashard.train.startpoint).
+        env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job),
+               RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id()}
+        # A session of its own: a Ctrl-C reaches this launcher only, which stops torchrun once, in order (below):
+        # with SIGTERM, which torchrun passes on to its workers (a SIGINT would raise KeyboardInterrupt in each).
+        proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
+        code = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C: torchrun stops its workers; say where the job stopped and how to go on
+        if proc is not None:  # SIGTERM: the workers end at once and silently, wherever they are (even importing)
+            _stop(proc, signal.SIGTERM, grace_s=60.0)
+        first = "\n" if sys.stderr.isatty() else ""  # below the progress bar's line
+        print(f"{first}megashard run: {stopped_line(job, since)}", file=sys.stderr, flush=True)
         return 130
+    except BaseException:  # SIGTERM (SystemExit) or another error: stop torchrun before leaving
+        if proc is not None and proc.poll() is None:
+            _stop(proc, signal.SIGTERM, grace_s=30.0)
+        raise
     finally:
         if lock is not None:
             lock.release()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    if proc.returncode != 0:
-        print(f"megashard run: the job failed (torchrun exit code {proc.returncode}); "
+    if code == 2:  # a worker's error a restart cannot fix, printed above (megashard.launch.agent.EXIT_NO_RESTART)
+        return 2
+    if code != 0:
+        print(f"megashard run: the job failed (torchrun exit code {code}); "
               f"rerun the same command to resume from the newest checkpoint in {job.checkpoint_dir}", file=sys.stderr)
         return 1
     return 0

@@ -7,7 +7,9 @@ The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.launc
 :func:`megashard.state.end_distributed` (pooled groups, then the default group, before Python shuts down). A worker whose
 collective fails only because another worker died (:func:`megashard.launch.agent.is_peer_loss`) prints
 nothing: it waits to be stopped by torchrun, which reports the failure in one line, and otherwise exits
-with :data:`~megashard.launch.agent.EXIT_PEER_LOST`.
+with :data:`~megashard.launch.agent.EXIT_PEER_LOST`. A megashard error (a config or checkpoint problem) is printed
+once and ends the worker with :data:`~megashard.launch.agent.EXIT_NO_RESTART`: torchrun does not restart the job for
+it. Under ``megashard run`` a SIGINT (Ctrl-C, forwarded by torchrun) ends the worker at once, without output.
 """
 from __future__ import annotations
 
@@ -33,11 +35,18 @@ def _prints(e: BaseException, mismatch: type) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import signal
+
     from megashard.launch.lifeline import die_with_parent, env_pid
 
     die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # before the slow imports
+    if env_pid("MEGASHARD_AGENT_PID"):
+        # Under megashard run, torchrun stops the workers with the SIGINT of a Ctrl-C: end at once, silently. A Python
+        # KeyboardInterrupt would print a traceback from wherever the worker is (an import, c10d's connect loop:
+        # ~85 lines of C++ frames); nothing is lost, checkpoints are published atomically.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     from megashard.errors import MegashardError, RankMismatchError, error_line
-    from megashard.launch.agent import EXIT_PEER_LOST, is_peer_loss
+    from megashard.launch.agent import EXIT_NO_RESTART, EXIT_PEER_LOST, is_peer_loss
     from megashard.train.config import JobConfig
     from megashard.train.loop import train
 
@@ -68,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if _prints(e, RankMismatchError):
             print(error_line("megashard run", e), file=sys.stderr)
-        return 2
+        return EXIT_NO_RESTART  # the same start fails the same way: torchrun does not restart (megashard.launch.agent)
     finally:
         from megashard.state import end_distributed
 

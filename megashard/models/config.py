@@ -65,3 +65,11 @@ class ModelConfig:
     ``megashard ckpt export-hf``) instead of the seeded init: its config must describe this model section (checked
     before any process starts); each rank reads only its own slices. A resumed run loads its checkpoint instead.
     Needs ``pip install 'megashard[hf]'`` (docs/hf.md)."""
+
+
+def default_ffn_hidden(model: ModelConfig) -> int:
+    """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to a multiple of 64
+    (``llama``). Plain arithmetic: the launcher validates a job without importing torch."""
+    if model.arch == "llama":
+        return -(-(8 * model.hidden) // (3 * 64)) * 64
+    return 4 * model.hidden

@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from megashard.errors import RankMismatchError
+from megashard.errors import PeerLostError, RankMismatchError
 
 __all__ = ["fingerprint", "check_ranks_agree"]
 
@@ -64,7 +65,8 @@ def _device(group: Any) -> Any:
 def check_ranks_agree(fields: Mapping[str, Any], *, timeout: float, group: Any = None) -> None:
     """Collective over ``group`` (default: the world): raise :class:`RankMismatchError` on every rank if any
     rank's ``fields`` differ from rank 0's; :class:`RankMismatchError` too if not every rank joins within
-    ``timeout`` seconds. Values must be JSON-able or have a stable ``repr``."""
+    ``timeout`` seconds; :class:`~megashard.errors.PeerLostError` when a peer closed its connection before that
+    (another rank exited: its own error says why). Values must be JSON-able or have a stable ``repr``."""
     import torch
     import torch.distributed as dist
 
@@ -72,16 +74,23 @@ def check_ranks_agree(fields: Mapping[str, Any], *, timeout: float, group: Any =
         return
     h = _hash56(fields)
     t = torch.tensor([h, -h], dtype=torch.int64, device=_device(group))
+    t0 = time.monotonic()
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise  # e.g. a peer died: not a disagreement
+        waited = time.monotonic() - t0
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        if waited < 0.9 * timeout:  # not the timeout, whatever the text says (gloo: "Application timeout caused
+            # pair closure", "Connection closed by peer", "Pair is not connected"): a peer process went away
+            raise PeerLostError(
+                f"rank {dist.get_rank()}: a peer closed its connection during megashard's config check, "
+                f"{waited:.1f} s after it began (not a timeout: parallel.timeout={timeout:g} s): another rank exited or "
+                f"crashed before or while joining it; its own error says why ({first})") from e
         raise RankMismatchError(
             f"rank {dist.get_rank()}: not every rank joined megashard's config check within {timeout:g} s "
             f"(parallel.timeout): a rank failed or hangs before it, or ranks run different megashard versions "
-            f"(this one: {fields.get('megashard', '?')}) ({str(e).splitlines()[0][:120]})") from None
+            f"(this one: {fields.get('megashard', '?')}) ({first[:120]})") from None
     hi, neg_lo = (int(v) for v in t.tolist())
     if hi == -neg_lo:
         return

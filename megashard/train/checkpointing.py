@@ -62,7 +62,7 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Paral
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState,
                     *, consumed_samples: Optional[int] = None, keep: int = 0, job: Optional[dict] = None,
-                    saver: Optional[Any] = None) -> str:
+                    saver: Optional[Any] = None, run_id: Optional[str] = None) -> str:
     """Write the checkpoint of ``step`` under ``root`` (all ranks call); keep the newest ``keep`` (0 = all).
 
     Uses :func:`megashard.checkpoint.save`: written to a temporary directory, published by an
@@ -70,6 +70,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
     as the newest complete one. ``job``: the job's config (``JobConfig.to_dict()``), recorded for offline tools.
     ``saver``: a :class:`megashard.checkpoint.async_save.AsyncSaver` (``checkpoint.async``): returns once the state
     is staged in host memory; the checkpoint is complete when the saver's next save or ``wait()`` returns.
+    ``run_id``: this run's id (recorded; retention deletes only checkpoints of this run, never the one just written).
     Returns the checkpoint directory.
     """
     from megashard import checkpoint
@@ -77,11 +78,11 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
     if saver is not None:
         return saver.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
                           consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32", overwrite=True,
-                          parallel_state=state, job=job)
+                          parallel_state=state, job=job, run_id=run_id)
 
     return checkpoint.save(root, step, sections=_state_dict(model, optimizer, state, fresh=False),
                            consumed_samples=consumed_samples, keep_last=keep or None, checksum="crc32",
-                           overwrite=True, parallel_state=state, job=job)
+                           overwrite=True, parallel_state=state, job=job, run_id=run_id)
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
@@ -103,7 +104,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     from megashard import checkpoint
 
     sd = _state_dict(model, optimizer, state, fresh=True)
-    report = checkpoint.load(path, sections=sd, parallel_state=state, restore_rng=False)
+    # The data position is a function of the step and the RNG is re-seeded from it: the report's notes on per-rank
+    # loader and RNG state concern other loops (the job prints its own line: startpoint.resumed_line).
+    report = checkpoint.load(path, sections=sd, parallel_state=state, restore_rng=False, log=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local_tensor(p.detach()).copy_(sd["model"][name].to_local())
@@ -157,20 +160,35 @@ def _why(e: BaseException) -> str:
     return str(e).split(" Restore the file(s)")[0]
 
 
-def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> tuple[Optional[str], int]:
-    """Load the checkpoint the job starts from (all ranks call); returns ``(path, step)``, or ``(None, 0)``.
+def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      state: ParallelState) -> tuple[Optional[str], int, str]:
+    """Load the checkpoint the job starts from (all ranks call); returns ``(path, step, run id)``, ``(None, 0, run
+    id)`` from scratch. The run id is what this run's checkpoints record (:mod:`megashard.train.startpoint`).
 
     * ``checkpoint.load_step`` / ``checkpoint.load_path`` set: exactly that checkpoint. If it is damaged,
       :class:`~megashard.errors.CheckpointCorruptedError` says so — no fallback, the user asked for it.
     * otherwise, with ``train.resume``: the newest complete checkpoint of ``checkpoint_dir`` that verifies. A
       damaged one is skipped with one line on rank 0 (which checkpoint, which file, why) and the next older
       one is tried; if none verifies, CheckpointCorruptedError lists them.
+    * ``train.resume=false``: from scratch, or from this run's own newest checkpoint (a torchrun restart); an
+      earlier run's checkpoints stop the job (ConfigError) unless ``checkpoint.move_aside`` moves them aside.
+    * a checkpoint of another model: ConfigError naming the differing ``model.*`` keys (before anything is read).
     """
     from megashard.checkpoint import safety
-    from megashard.errors import CheckpointCorruptedError
+    from megashard.errors import CheckpointCorruptedError, ConfigError
+    from megashard.train.startpoint import plan_resume
 
     root = job.checkpoint_dir
     requested = job.requested_checkpoint()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    box = [plan_resume(job, requested) if rank0 else None]  # rank 0 decides, every rank follows
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    plan = box[0]
+    if plan.note:
+        _say(plan.note)
+    if plan.error:  # printed once, by rank 0 (megashard.launch.worker)
+        raise ConfigError(plan.error if rank0 else f"(raised on rank 0) {plan.error}")
     if requested is not None:
         key = (f"checkpoint.load_step={job.checkpoint.load_step}" if job.checkpoint.load_step is not None
                else f"checkpoint.load_path={job.checkpoint.load_path!r}")
@@ -180,22 +198,16 @@ def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.O
             _say(f"megashard run: loading {requested} ({key}); the newer checkpoints "
                  f"{', '.join(os.path.basename(p) for p in newer)} in {root} will be replaced as this run saves those steps")
         try:
-            return requested, load_checkpoint(requested, model, optimizer, state)
+            return requested, load_checkpoint(requested, model, optimizer, state), plan.candidates[0][1]
         except CheckpointCorruptedError as e:
             raise CheckpointCorruptedError(
                 f"the requested checkpoint {requested} ({key}) is damaged: {_why(e)}; no other checkpoint is tried "
                 "because this one was asked for: restore the file, or pick another checkpoint (or drop the key to "
                 "resume from the newest that verifies)") from None
-    if not job.train.resume:
-        return None, 0
-    box = [[e.path for e in reversed(safety.list_checkpoints(root)) if e.complete]
-           if not dist.is_initialized() or dist.get_rank() == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)  # one list for every rank, newest first
     skipped = []
-    for path in box[0]:
+    for path, run_id in plan.candidates:
         try:
-            return path, load_checkpoint(path, model, optimizer, state)
+            return path, load_checkpoint(path, model, optimizer, state), run_id
         except CheckpointCorruptedError as e:
             skipped.append(path)
             _say(f"megashard run: skipping damaged checkpoint {os.path.basename(path)}: {_why(e)}; trying the next "
@@ -204,4 +216,4 @@ def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.O
         raise CheckpointCorruptedError(
             f"no checkpoint in {root} verifies ({', '.join(os.path.basename(p) for p in skipped)} are damaged, see "
             "above): restore the damaged files, or start over with train.resume=false or another checkpoint.dir")
-    return None, 0
+    return None, 0, plan.run_id

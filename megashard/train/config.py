@@ -120,7 +120,7 @@ class JobConfig:
     def ffn_hidden(self) -> int:
         if self.model.ffn_hidden:
             return self.model.ffn_hidden
-        from megashard.models.gpt.model import default_ffn_hidden
+        from megashard.train.sections import default_ffn_hidden
 
         return default_ffn_hidden(self.model)
 
@@ -153,7 +153,12 @@ class JobConfig:
             if world_size is None:
                 check_world_size(w, f"world size launch.nnodes × launch.nproc_per_node = {self.launch.nnodes} × "
                                     f"{self.launch.nproc_per_node} =")
-        s = sizes if sizes is not None else self.parallel.resolve(w)
+        try:
+            s = sizes if sizes is not None else self.parallel.resolve(w)
+        except ConfigError as e:
+            if world_size is not None:
+                raise
+            raise ConfigError(f"{e}{self._nproc_hint()}") from None
         m, t = self.model, self.train
         _need(m.vocab_size % s.tp == 0,
               f"model.vocab_size={m.vocab_size} must divide by parallel.tp={s.tp} (each TP rank holds vocab/tp rows); "
@@ -204,6 +209,19 @@ class JobConfig:
             check_samples(self)  # what each worker would find: enough data for a training sample
         self.requested_checkpoint()
         return s
+
+    def _nproc_hint(self) -> str:
+        """``"; or run 8 processes: launch.nproc_per_node=8"``: the smallest process count per node, above the
+        configured one, for which the parallel section resolves (the launcher's world size is nnodes × that)."""
+        la = self.launch
+        for n in range(la.nproc_per_node + 1, 4 * max(la.nproc_per_node, 256) + 1):
+            try:
+                self.parallel.resolve(la.nnodes * n)
+            except ConfigError:
+                continue
+            nodes = f" (× launch.nnodes={la.nnodes} = {la.nnodes * n})" if la.nnodes > 1 else ""
+            return f"; or run {n} processes per node: launch.nproc_per_node={n}{nodes}"
+        return ""
 
     def _validate_pipeline(self, s: ResolvedSizes) -> None:
         """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
@@ -322,6 +340,9 @@ class JobConfig:
         _need(c.load_step is None and c.load_path is None or t.resume,
               "checkpoint.load_step / checkpoint.load_path load a checkpoint but train.resume=false starts from "
               "scratch; drop one of them")
+        _need(not c.move_aside or not t.resume,
+              "checkpoint.move_aside=true moves an earlier run's checkpoints aside for a fresh start: add "
+              "train.resume=false (a resumed run continues the checkpoints in place), or drop it")
         if m.ffn_hidden is not None:
             _need(m.ffn_hidden >= 1, f"model.ffn_hidden={m.ffn_hidden} must be a positive integer or null")
         _need(m.hidden % m.heads == 0, f"model.hidden={m.hidden} must divide by model.heads={m.heads}")

@@ -250,9 +250,12 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         model_parallel_manual_seed(seed)
         model, optimizer = build(job, state)
         ckpt_root = job.checkpoint_dir
-        found, start = resume_checkpoint(job, model, optimizer, state)  # newest that verifies, or the requested one
+        # newest that verifies, or the requested one; run_id: what this run's checkpoints record (and prune)
+        found, start, run_id = resume_checkpoint(job, model, optimizer, state)
         if found is not None and rank == 0:
-            print(f"megashard run: resumed from {found} (step {start})", file=sys.stderr, flush=True)
+            from megashard.train.startpoint import read_record, resumed_line
+
+            print(resumed_line(job, found, start, read_record(found), sizes), file=sys.stderr, flush=True)
         data = Batches(job.data, job.model, t.global_batch, seed, dp_rank=state.rank_in("dp"), dp_size=sizes.dp,
                        cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=current_device(state.device_type))
         out_dir = job.out_dir
@@ -324,7 +327,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
                 t_save = time.perf_counter()
                 save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
-                                keep=job.checkpoint.keep, job=job.to_dict(), saver=saver)
+                                keep=job.checkpoint.keep, job=job.to_dict(), saver=saver, run_id=run_id)
                 result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
         bar.close()
         if saver is not None:  # the end of training waits for the last background save (and reports its error)
@@ -408,7 +411,7 @@ def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) 
     msg = [f"megashard run: {job.name}: "]
     if result.final_step == result.start_step:
         msg.append(f"nothing to do, already at step {result.final_step} of {job.train.steps} "
-                   f"(checkpoint in {job.checkpoint_dir}; raise train.steps or set train.resume=false)")
+                   f"(checkpoint in {job.checkpoint_dir}); raise train.steps to train on")
     else:
         valid = result.valid_losses.get(result.final_step)
         msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 from megashard.config.keys import reject_unknown_keys, yaml_keys
 from megashard.errors import ConfigError
-from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig  # noqa: F401 - the model section lives with the models
+from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig, default_ffn_hidden  # noqa: F401 - the model section lives with the models
 
 DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
@@ -143,7 +143,8 @@ class CheckpointConfig:
     save_final: bool = True
     """Also save after the last step."""
     keep: int = 2
-    """Complete checkpoints to keep (oldest deleted first); 0 = keep all."""
+    """Complete checkpoints of this run to keep (the most recently written; older ones deleted first); 0 = keep all.
+    Checkpoints of other runs (another ``run_id`` in their ``megashard.json``) are never deleted."""
     dir: Optional[str] = None
     """Checkpoint directory; ``null`` = ``<train.out_dir>/checkpoints``."""
     load_step: Optional[int] = None
@@ -154,6 +155,11 @@ class CheckpointConfig:
     load_path: Optional[str] = None
     """Start from this checkpoint directory (a ``step_<N>`` directory holding ``COMPLETE.json``, e.g. of another
     run) instead of the newest one in ``dir``; damaged → error, no fallback. Exclusive with ``load_step``."""
+    move_aside: bool = False
+    """With ``train.resume: false``: move the checkpoints an earlier run left in the checkpoint directory into its
+    subdirectory ``earlier-<date>-<time>/`` (they stay loadable with ``load_path``) before this run starts. Without
+    it such a fresh start is refused before any process starts: it would mix its checkpoints with the earlier
+    run's (and the next plain run would resume whichever step is highest)."""
     async_save: bool = field(default=False, metadata={"yaml": "async"})
     """Save in the background (DCP's asynchronous save): training stops only while the state is
     copied to host memory, then continues while the copy is written, checksummed and published (marker, rename,

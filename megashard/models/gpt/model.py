@@ -38,7 +38,7 @@ from megashard.models.layers import (
     scaled_std,
     vocab_parallel_cross_entropy,
 )
-from megashard.models.config import ModelConfig
+from megashard.models.config import ModelConfig, default_ffn_hidden  # noqa: F401 - default_ffn_hidden: re-exported
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
@@ -264,15 +264,6 @@ class GPT(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token loss of ``logits [b, s, vocab/tp]`` against ``targets [b, s]`` (vocabulary-parallel)."""
         return vocab_parallel_cross_entropy(logits, targets, self.groups.tp).mean()
-
-
-def default_ffn_hidden(cfg: ModelConfig) -> int:
-    """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to 64 (``llama``)."""
-    if cfg.arch == "llama":
-        from megashard.models.llama.blocks import llama_ffn_hidden
-
-        return llama_ffn_hidden(cfg.hidden)
-    return 4 * cfg.hidden
 
 
 # ---------------------------------------------------------------------------------------------- init

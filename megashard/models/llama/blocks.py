@@ -26,7 +26,9 @@ __all__ = ["RMSNorm", "Rotary", "SwiGLU", "llama_ffn_hidden"]
 
 def llama_ffn_hidden(hidden: int) -> int:
     """Llama's default MLP size: 8/3 · hidden rounded up to a multiple of 64."""
-    return -(-(8 * hidden) // (3 * 64)) * 64
+    from megashard.models.config import ModelConfig, default_ffn_hidden
+
+    return default_ffn_hidden(ModelConfig(arch="llama", hidden=hidden))
 
 
 class RMSNorm(nn.Module):
