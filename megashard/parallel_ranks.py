@@ -10,18 +10,30 @@ from typing import Optional
 
 from megashard import state as _state
 from megashard.errors import ConfigError
+from megashard.state.megatron_overrides import OVERRIDES as _ov
 
 
 def _st():
     return _state.get_parallel_state()
 
 
-def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+def _dp_name(with_context_parallel: bool, partial_data_parallel: bool, with_gtp_remat: bool = False) -> str:
+    """The group name of Megatron's data-parallel getters. ``with_gtp_remat`` (Megatron's default): the full
+    data-distribution group (replicate dp · gtp_remat), which is the replicate group itself when gtp_remat is 1."""
+    full = with_gtp_remat and _state.is_initialized() and _st().sizes.gtp_remat > 1
     if partial_data_parallel:
         if not with_context_parallel:
             raise ConfigError("partial_data_parallel=True requires with_context_parallel=True (as in Megatron-LM)")
-        return "intra_dp_cp"
+        return "dp_cp_gtp_remat" if full else "intra_dp_cp"  # gtp_remat > 1 means one optimizer instance
+    if full:
+        return "dp_cp_gtp_remat" if with_context_parallel else "dp_gtp_remat"
     return "dp_cp" if with_context_parallel else "dp"
+
+
+def _expt_dp_name(partial_expert_data_parallel: bool, with_gtp_remat: bool = False) -> str:
+    if with_gtp_remat and _state.is_initialized() and _st().sizes.expt_gtp_remat > 1:
+        return "expt_dp_gtp_remat"
+    return "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
 
 
 def get_gtp_weight_remat_world_size() -> int:
@@ -34,29 +46,41 @@ def get_gtp_weight_remat_rank() -> int:
 
 # ---------------------------------------------------------------------- sizes and ranks
 def get_tensor_model_parallel_world_size() -> int:
+    if (o := _ov.get("tp_size")) is not None:
+        return o
     return _st().size("tp")
 
 
 def get_tensor_model_parallel_rank() -> int:
+    if (o := _ov.get("tp_rank")) is not None:
+        return o
     return _st().rank_in("tp")
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    if (o := _ov.get("pp_size")) is not None:
+        return o
     return _st().size("pp")
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    if (o := _ov.get("pp_rank")) is not None:
+        return o
     return _st().rank_in("pp")
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                                  partial_data_parallel: bool = False) -> int:
-    return _st().size(_dp_name(with_context_parallel, partial_data_parallel))
+    if (o := _ov.get("dp_size")) is not None:
+        return o
+    return _st().size(_dp_name(with_context_parallel, partial_data_parallel, with_gtp_remat))
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
-    return _st().rank_in(_dp_name(with_context_parallel, partial_data_parallel))
+    if (o := _ov.get("dp_rank")) is not None:
+        return o
+    return _st().rank_in(_dp_name(with_context_parallel, partial_data_parallel, with_gtp_remat))
 
 
 def get_context_parallel_world_size() -> int:
@@ -96,27 +120,35 @@ def get_tensor_and_context_parallel_rank() -> int:
 
 
 def get_expert_model_parallel_world_size() -> int:
+    if (o := _ov.get("ep_size")) is not None:
+        return o
     return _st().size("ep")
 
 
 def get_expert_model_parallel_rank() -> int:
+    if (o := _ov.get("ep_rank")) is not None:
+        return o
     return _st().rank_in("ep")
 
 
 def get_expert_tensor_parallel_world_size() -> int:
+    if (o := _ov.get("expt_tp_size")) is not None:
+        return o
     return _st().size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
+    if (o := _ov.get("expt_tp_rank")) is not None:
+        return o
     return _st().rank_in("expt_tp")
 
 
 def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _st().size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+    return _st().size(_expt_dp_name(partial_expert_data_parallel, with_gtp_remat))
 
 
 def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _st().rank_in("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+    return _st().rank_in(_expt_dp_name(partial_expert_data_parallel, with_gtp_remat))
 
 
 def get_expert_model_parallel_src_rank() -> int:
@@ -180,6 +212,8 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    if "vpp_size" in _ov:
+        return _ov["vpp_size"]
     return _st().sizes.vpp
 
 
@@ -213,3 +247,28 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
 def get_global_memory_buffer():
     """The current state's scratch-memory buffer (:class:`~megashard.state.memory.GlobalMemoryBuffer`)."""
     return _state.current_locals().memory_buffer
+
+
+# ---------------------------------------------------------------------- Megatron's overrides (its unit tests use them)
+def _setter(key: str):
+    from megashard.state.megatron_overrides import set_override
+
+    def set_value(value: Optional[int]) -> None:
+        set_override(key, value)
+    return set_value
+
+
+set_tensor_model_parallel_world_size = _setter("tp_size")
+set_tensor_model_parallel_rank = _setter("tp_rank")
+set_pipeline_model_parallel_world_size = _setter("pp_size")
+set_pipeline_model_parallel_rank = _setter("pp_rank")
+set_virtual_pipeline_model_parallel_world_size = _setter("vpp_size")
+set_data_parallel_rank = _setter("dp_rank")
+set_expert_model_parallel_world_size = _setter("ep_size")
+set_expert_model_parallel_rank = _setter("ep_rank")
+set_expert_tensor_parallel_world_size = _setter("expt_tp_size")
+set_expert_tensor_parallel_rank = _setter("expt_tp_rank")
+for _name, _fn in list(globals().items()):
+    if _name.startswith("set_") and _name.endswith(("_world_size", "_rank")) and _fn.__name__ == "set_value":
+        _fn.__name__ = _fn.__qualname__ = _name
+        _fn.__doc__ = f"Megatron's ``{_name}``: the getter returns this value until None or destroy_model_parallel()."

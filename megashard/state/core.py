@@ -206,7 +206,9 @@ class ParallelState:
 
     def _wants_gloo_twins(self) -> bool:
         # On gloo a group is its own twin; a `fake` simulation creates no communicator at all.
-        return self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
+        # Megatron switches them off under gtp_remat (expert ones under expt_gtp_remat: _create_gloo_twins).
+        return (self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
+                and self.sizes.gtp_remat == 1)
 
     def _create_gloo_twins(self) -> int:
         """A gloo group with the members of every data-parallel group (:data:`GLOO_TWIN_GROUPS`), during
@@ -215,6 +217,8 @@ class ParallelState:
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         created = 0
         for name in GLOO_TWIN_GROUPS:
+            if self.sizes.expt_gtp_remat > 1 and name.startswith(("expt_", "intra_expt")):
+                continue
             ranks = self._global(self.layout.group_of(name, self.layout_rank))
             if ranks not in by_ranks:
                 by_ranks[ranks], new = pooled_group(ranks, self._timeout, "gloo", f"megashard:{name}:gloo")

@@ -22,9 +22,9 @@ __all__ = ["PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collectio
 PG_FIELDS: dict[str, str | None] = {
     "tp": "tp", "pp": "pp", "mp": "mp", "embd": "embd", "pos_embd": "pos_embd", "cp": "cp", "tp_cp": "tp_cp",
     "hcp": "hcp", "ep": "ep", "expt_tp": "expt_tp", "tp_ep": "tp_ep", "tp_ep_pp": "tp_ep_pp",
-    "tp_ep_pp_with_egtp_remat": "tp_ep_pp", "tp_dp_cp": "tp_dp_cp", "dp": "dp", "dp_cp": "dp_cp",
-    "dp_cp_gtp_remat": "dp_cp", "dp_cp_ag": None, "gtp_remat": "gtp_remat", "expt_gtp_remat": "expt_gtp_remat",
-    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp", "expt_dp_ag": None, "intra_dp_cp": "intra_dp_cp",
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp_with_egtp_remat", "tp_dp_cp": "tp_dp_cp", "dp": "dp", "dp_cp": "dp_cp",
+    "dp_cp_gtp_remat": "dp_cp_gtp_remat", "dp_cp_ag": "ag", "gtp_remat": "gtp_remat", "expt_gtp_remat": "expt_gtp_remat",
+    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp_gtp_remat", "expt_dp_ag": "ag", "intra_dp_cp": "intra_dp_cp",
     "intra_expt_dp": "intra_expt_dp", "inter_dist_opt": "inter_dist_opt", "intra_dist_opt": "intra_dist_opt",
 }
 
@@ -59,7 +59,9 @@ def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
     """``{field: process group (or list, or None)}`` for every Megatron field, from ``state``."""
     out: dict[str, Any] = {}
     for field, name in PG_FIELDS.items():
-        if name is None:
+        if name == "ag":  # the all-gather twins, once create_all_gather_groups made them (else None, as Megatron)
+            out[field] = getattr(state, "all_gather_groups", {}).get(field)
+        elif name is None:
             out[field] = None
         elif name == "hcp":
             out[field] = state.hcp_groups() or None
