@@ -11,6 +11,7 @@ from typing import Optional
 from megashard import state as _state
 from megashard.errors import ConfigError
 from megashard.state.megatron_overrides import OVERRIDES as _ov
+from megashard.state.megatron_overrides import set_override as _set_override
 
 
 def _st():
@@ -250,25 +251,42 @@ def get_global_memory_buffer():
 
 
 # ---------------------------------------------------------------------- Megatron's overrides (its unit tests use them)
-def _setter(key: str):
-    from megashard.state.megatron_overrides import set_override
-
-    def set_value(value: Optional[int]) -> None:
-        set_override(key, value)
-    return set_value
+# Each getter above returns the value set here until it is set to None or destroy_model_parallel() clears them.
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("tp_size", world_size)
 
 
-set_tensor_model_parallel_world_size = _setter("tp_size")
-set_tensor_model_parallel_rank = _setter("tp_rank")
-set_pipeline_model_parallel_world_size = _setter("pp_size")
-set_pipeline_model_parallel_rank = _setter("pp_rank")
-set_virtual_pipeline_model_parallel_world_size = _setter("vpp_size")
-set_data_parallel_rank = _setter("dp_rank")
-set_expert_model_parallel_world_size = _setter("ep_size")
-set_expert_model_parallel_rank = _setter("ep_rank")
-set_expert_tensor_parallel_world_size = _setter("expt_tp_size")
-set_expert_tensor_parallel_rank = _setter("expt_tp_rank")
-for _name, _fn in list(globals().items()):
-    if _name.startswith("set_") and _name.endswith(("_world_size", "_rank")) and _fn.__name__ == "set_value":
-        _fn.__name__ = _fn.__qualname__ = _name
-        _fn.__doc__ = f"Megatron's ``{_name}``: the getter returns this value until None or destroy_model_parallel()."
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("tp_rank", rank)
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("pp_size", world_size)
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("pp_rank", rank)
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("vpp_size", world_size)
+
+
+def set_data_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("dp_rank", rank)
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("ep_size", world_size)
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("ep_rank", rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("expt_tp_size", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("expt_tp_rank", rank)
