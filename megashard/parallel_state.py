@@ -176,11 +176,19 @@ def is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Destroy every group, mesh, RNG tracker and buffer megashard created, and Megatron's ``set_*`` overrides;
-    re-initialising works afterwards."""
+    re-initialising works afterwards. Unlike ``megashard.destroy()`` the communicators are destroyed too (as
+    Megatron-LM's), except those another live ParallelState uses: no process group or socket is left behind."""
     from megashard.state.megatron_overrides import clear
+    from megashard.state.pool import release_idle_groups
 
+    if _state.is_initialized():
+        getattr(_st(), "all_gather_groups", {}).clear()
     _state.destroy()
     clear()
+    # Megatron's semantics: the groups go too (megashard.destroy() keeps them pooled for a fast re-initialisation);
+    # groups a still-live ParallelState uses stay.
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        release_idle_groups()
 
 
 

@@ -123,6 +123,9 @@ class ParallelState:
         self._meshes: dict[str, DeviceMesh] = {}
         self._views: dict[str, DeviceMesh] = {}
         self._destroyed = False
+        from megashard.state.pool import register_user
+
+        register_user(self)  # release_idle_groups keeps the groups of live states
         self._create_groups()
 
     # ------------------------------------------------------------------ construction
@@ -391,6 +394,13 @@ class ParallelState:
         from megashard.state.pg_collection import pg_collection
 
         return pg_collection(self, megatron)
+
+    def pooled_groups_in_use(self) -> list[dist.ProcessGroup]:
+        """The communicators this (live) state uses: none once destroyed."""
+        if self._destroyed:
+            return []
+        ag = [g for g in getattr(self, "all_gather_groups", {}).values() if g is not None]
+        return [*self._groups.values(), *self._gloo_twins.values(), *ag]
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
