@@ -212,12 +212,14 @@ def _resolve(config: "ParallelConfig", world_size: int, G: int, E: int) -> Resol
             f"order='{config.order}' omits {', '.join(f'{t} (size {sizes[t]})' for t in missing)}; "
             "every axis with size > 1 must appear in order"
         )
-    # Megatron's rule: with pp not last, dense and expert dp must match so that the pp groups agree.
-    if pp > 1 and order[-1] != "pp" and edp != dp_resolved and ep == 1 and config.expt_tp == 1 and G == E:
+    # Megatron's rule: with pp not last, dense and expert dp must match so that the pp groups agree. "Last" as Megatron
+    # reads it: the order as written ends with pp (size-1 axes appended after it change no stride).
+    pp_last = config.order.lower().split("-")[-1] == "pp"
+    if pp > 1 and not pp_last and edp != dp_resolved and ep == 1 and config.expt_tp == 1 and G == E:
         # No experts: fold the (unused) expert layout onto the dense one, as Megatron's default
         # expt_tp = tp does, so that its pipeline groups agree.
         etp, edp = tp * cp, dp_resolved
-    if pp > 1 and order[-1] != "pp" and edp != dp_resolved:
+    if pp > 1 and not pp_last and edp != dp_resolved:
         raise ConfigError(
             f"order='{config.order}' does not end with pp, so the dense and expert pipeline groups differ unless "
             f"expt_dp ({edp}) equals dp ({dp_resolved}); put pp last or choose ep·expt_tp = tp·cp"

@@ -23,6 +23,7 @@ __all__ = ["install", "installed", "uninstall"]
 
 #: (module, attribute) -> the original object, while installed
 _ORIGINALS: dict[tuple[int, str], tuple[Any, Any]] = {}
+_ABSENT = object()
 
 
 def installed() -> bool:
@@ -85,7 +86,43 @@ def _replacements(mps: Any) -> dict[str, Callable]:
                destroy_global_memory_buffer):
         if hasattr(mps, fn.__name__):
             out[fn.__name__] = fn
+
+    init = out["initialize_model_parallel"]
+
+    @functools.wraps(init)
+    def initialize_model_parallel(*args: Any, **kw: Any) -> None:
+        from megashard.errors import ConfigError, StateError
+
+        try:
+            init(*args, **kw)
+        except ConfigError as e:  # Megatron raises RuntimeError / AssertionError here: be both, still ConfigError
+            raise _MegatronConfigError(str(e)) from None
+        except StateError as e:
+            raise _MegatronStateError(str(e)) from None
+
+    out["initialize_model_parallel"] = initialize_model_parallel
+    # megashard's Megatron 0.19 API that an older megatron-core lacks (create_all_gather_groups, the gtp getters …)
+    for name in dir(ms):
+        fn = getattr(ms, name)
+        if not name.startswith("_") and inspect.isfunction(fn) and fn.__module__.startswith("megashard.parallel_")\
+                and not hasattr(mps, name):
+            out[name] = fn
     return out
+
+
+def _error_types() -> tuple[type, type]:
+    from megashard.errors import ConfigError, StateError
+
+    class MegatronConfigError(ConfigError, RuntimeError, AssertionError):
+        """megashard's ConfigError, also the RuntimeError / AssertionError Megatron raises for bad sizes."""
+
+    class MegatronStateError(StateError, AssertionError):
+        """megashard's StateError, also the AssertionError Megatron raises (e.g. before init_process_group)."""
+
+    return MegatronConfigError, MegatronStateError
+
+
+_MegatronConfigError, _MegatronStateError = _error_types()
 
 
 def _use_mpu_process_groups(cls: type, required_pgs: Optional[list[str]] = None) -> Any:
@@ -107,8 +144,8 @@ def _use_mpu_process_groups(cls: type, required_pgs: Optional[list[str]] = None)
 def _set(owner: Any, attr: str, value: Any) -> None:
     key = (id(owner), attr)
     if key not in _ORIGINALS:
-        # the raw attribute (a classmethod stays a classmethod), with its owner, to restore it
-        _ORIGINALS[key] = (owner, vars(owner)[attr])
+        # the raw attribute (a classmethod stays a classmethod), with its owner, to restore it (_ABSENT: delete)
+        _ORIGINALS[key] = (owner, vars(owner).get(attr, _ABSENT))
     setattr(owner, attr, value)
 
 
@@ -127,7 +164,7 @@ def install() -> None:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     repl = _replacements(mps)
-    originals = {id(getattr(mps, n)): n for n in repl}
+    originals = {id(getattr(mps, n)): n for n in repl if hasattr(mps, n)}
     for name, fn in repl.items():
         _set(mps, name, fn)
     _set(ProcessGroupCollection, "use_mpu_process_groups", classmethod(_use_mpu_process_groups))
@@ -144,5 +181,8 @@ def install() -> None:
 def uninstall() -> None:
     """Restore Megatron's own functions (call it after ``destroy_model_parallel``)."""
     for (_, attr), (owner, value) in _ORIGINALS.items():
-        setattr(owner, attr, value)
+        if value is _ABSENT:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
     _ORIGINALS.clear()
