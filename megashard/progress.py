@@ -5,7 +5,8 @@
   ``megashard data prepare`` tokenizing.
 
 Both write the same way (:class:`StatusLine`): on a terminal one line redrawn in place (``\\r``), at most every
-``min_interval`` seconds; elsewhere (a log file, CI) whole lines, now and then. This module imports nothing
+``min_interval`` seconds; elsewhere (a log file, CI) whole lines, now and then (:class:`Progress`: every
+``log_seconds`` seconds, nothing for a short job). This module imports nothing
 heavy, so a command that shows progress pays nothing for it.
 """
 from __future__ import annotations
@@ -119,12 +120,17 @@ class ProgressBar(StatusLine):
 
 class Progress(StatusLine):
     """Bytes done of ``total``: ``label [#####-----]  50.0%  12.0/24.0 MB  1.2 s``; ``update(n)`` as ``n`` more
-    bytes are done, ``close()`` at the end (shows 100 %). Off a terminal it prints a line per 10 %."""
+    bytes are done, ``close()`` at the end (shows 100 %). Off a terminal (a log) it prints a line at most every
+    ``log_seconds`` seconds, the first after ``log_seconds``, and a last line at ``close()`` only if it printed
+    one before: a short job leaves nothing in the log (its command prints its own summary)."""
 
-    def __init__(self, total: int, label: str, *, stream: Optional[TextIO] = None, enabled: bool = True) -> None:
+    def __init__(self, total: int, label: str, *, stream: Optional[TextIO] = None, enabled: bool = True,
+                 log_seconds: float = 10.0) -> None:
         super().__init__(stream, enabled)
         self.total, self.label, self.done = max(int(total), 0), label, 0
-        self._decile = -1
+        self.log_seconds = log_seconds
+        self._last_log = time.monotonic()
+        self._logged = False
 
     def render(self) -> str:
         frac = self.done / self.total if self.total else 1.0
@@ -140,9 +146,9 @@ class Progress(StatusLine):
             if self.due():
                 self.redraw(self.render())
             return
-        decile = int(10 * self.done / self.total) if self.total else 10
-        if decile > self._decile:
-            self._decile = decile
+        now = time.monotonic()
+        if now - self._last_log >= self.log_seconds:
+            self._last_log, self._logged = now, True
             self.print(self.render())
 
     def close(self) -> None:
@@ -152,5 +158,5 @@ class Progress(StatusLine):
         if self.tty:
             self.redraw(self.render())
             self.finish()
-        elif self._decile < 10:
+        elif self._logged:
             self.print(self.render())

@@ -92,8 +92,57 @@ def test_inspect_table(ckpt, capsys):
     assert main(["ckpt", "inspect", root, "--verify"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks: tp=1 cp=1 pp=1 dp=2 (dp_outer=1 x dp_shard=2)" in out
-    line = next(li for li in out.splitlines() if li.startswith("model.0.weight "))
+    line = next(li for li in out.splitlines() if li.strip().startswith("model.0.weight "))
     assert line.split() == ["model.0.weight", "(7,", "5)", "float32", "140", "B", "2", "0,1"]
+
+
+def test_inspect_sorts_keys_by_name_in_groups_model_optimizer_extra(ckpt, capsys):
+    """Ranks write keys in their own order (DCP lists optim.* before model.*): the table and the JSON list them
+    grouped model / optimizer / extra, each group sorted by name (numbers in numeric order)."""
+    from megashard.checkpoint.consolidate import key_order
+
+    root, ref = ckpt
+    assert main(["ckpt", "inspect", root, "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    groups, current = {}, None
+    for line in out.splitlines():
+        if line.split(":")[0] in ("model", "optimizer", "extra") and " tensors, " in line:
+            current = line.split(":")[0]
+            groups[current] = []
+        elif current and line.startswith("  ") and not line.strip().startswith("key "):
+            groups[current].append(line.split()[0])
+        elif not line.strip():
+            current = None
+    keys = sorted(_flat(ref))
+    assert list(groups) == ["model", "optimizer"]  # this checkpoint saved no extra tensors
+    assert groups["model"] == ["model.0.bias", "model.0.weight", "model.2.weight"]
+    optim = [k for k in keys if k.startswith("optim.")]
+    assert groups["optimizer"] == sorted(optim) and len(optim) == 9  # exp_avg, exp_avg_sq, step of 3 parameters
+    assert "model: 3 tensors, " in out and "optimizer: 9 tensors, " in out
+    assert main(["ckpt", "inspect", root, "--no-verify", "-f", "json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    listed = [t["key"] for t in info["tensors"]]
+    assert listed == groups["model"] + groups["optimizer"]
+    assert [t["group"] for t in info["tensors"]] == ["model"] * 3 + ["optimizer"] * 9
+    assert info["objects"] == sorted(info["objects"], key=key_order)
+    # numeric parts sort as numbers, groups before names
+    assert sorted(["optim.x", "model.blocks.10.w", "rng.seed", "model.blocks.2.w"], key=key_order) == [
+        "model.blocks.2.w", "model.blocks.10.w", "optim.x", "rng.seed"]
+
+
+def test_consolidate_refuses_an_output_inside_the_checkpoint(ckpt, tmp_path, capsys):
+    """OUT inside the checkpoint being read would overwrite its own input: refused before anything is read, and
+    the checkpoint still verifies."""
+    root, _ = ckpt
+    step = os.path.join(root, "step_00000001")
+    target = os.path.join(step, sorted(f for f in os.listdir(step) if f.endswith(".distcp"))[0])
+    before = open(target, "rb").read()
+    assert main(["ckpt", "consolidate", root, target, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"OUT {target}: is {step}" not in err and f"lies inside {step}, which this command reads" in err, err
+    assert open(target, "rb").read() == before and not os.path.exists(target + ".tmp")
+    assert main(["ckpt", "inspect", root]) == 0
 
 
 def test_consolidate_writes_the_full_tensors(ckpt, tmp_path, capsys):
@@ -101,7 +150,8 @@ def test_consolidate_writes_the_full_tensors(ckpt, tmp_path, capsys):
     out = tmp_path / "full.pt"
     assert main(["ckpt", "consolidate", root, str(out)]) == 0
     err = capsys.readouterr().err
-    assert "consolidate [" in err and "100.0%" in err and "wrote" in err
+    # not a terminal, a short job: no progress lines in the log, only the summary
+    assert "consolidate [" not in err and err.count("\n") == 1 and "wrote" in err
     full = torch.load(out, weights_only=True)
     assert set(full) == {"model", "optim"}
     flat_ref, flat_got = _flat(ref), _flat(full)

@@ -55,7 +55,7 @@ def table_rows(lines: list[str]) -> dict[str, list[str]]:
 # ---------------------------------------------------------------------------------------------- table
 def test_table_sizes_and_groups_of_a_rank(capsys):
     # default.yaml has tp=2, dp_shard=2; with pp=4 that is 16 ranks (the DESIGN.md example).
-    code, out, err = run(capsys, DEFAULT, "--world-size", "16", "parallel.pp=4", "--rank", "5")
+    code, out, err = run(capsys, DEFAULT, "--world-size", "16", "parallel.pp=4", "model.layers=4", "--rank", "5")
     assert code == 0, err
     sizes = dict(l.split() for l in section(out, "resolved sizes"))
     assert sizes == {
@@ -75,7 +75,7 @@ def test_table_sizes_and_groups_of_a_rank(capsys):
 
 
 def test_table_all_groups_lists_every_group_in_megatron_order(capsys):
-    code, out, _ = run(capsys, DEFAULT, "-w", "16", "parallel.pp=4", "--all-groups", "--groups", "tp,pp,dp")
+    code, out, _ = run(capsys, DEFAULT, "-w", "16", "parallel.pp=4", "model.layers=4", "--all-groups", "--groups", "tp,pp,dp")
     assert code == 0
     tp = [l.split(None, 1)[1] for l in section(out, "all tp groups (8)")]
     assert tp == [f"[{2 * i}, {2 * i + 1}]" for i in range(8)]
@@ -95,7 +95,7 @@ def test_format_members_abbreviates_long_groups():
 
 # ---------------------------------------------------------------------------------------------- JSON
 def test_json_has_every_group_equal_to_rank_layout(capsys):
-    code, out, _ = run(capsys, DEFAULT, "-w", "16", "parallel.pp=4", "parallel.dp_shard=-1", "parallel.dp_outer=2",
+    code, out, _ = run(capsys, DEFAULT, "-w", "16", "parallel.pp=4", "model.layers=4", "parallel.dp_shard=-1", "parallel.dp_outer=2",
                        "--format", "json", "--rank", "6")
     assert code == 0
     plan = json.loads(out)
@@ -188,7 +188,7 @@ def test_palette_is_distinct_for_thousands_of_groups():
 # ---------------------------------------------------------------------------------------------- SVG
 def test_svg_one_cell_per_rank_and_one_colour_per_group(capsys, tmp_path):
     path = tmp_path / "plan.svg"
-    code, _, err = run(capsys, DEFAULT, "-w", "32", "parallel.pp=4", "parallel.dp_shard=-1", "--rank", "5",
+    code, _, err = run(capsys, DEFAULT, "-w", "32", "parallel.pp=4", "model.layers=4", "parallel.dp_shard=-1", "--rank", "5",
                        "--svg", str(path))
     assert code == 0 and f"wrote {path}" in err
     root = ET.parse(path).getroot()  # well-formed XML
@@ -271,7 +271,7 @@ def test_help_and_usage_errors(capsys):
 # ---------------------------------------------------------------------------------------------- scale
 def test_plan_of_one_rank_of_131072(capsys, tmp_path):
     path = tmp_path / "big.svg"
-    code, out, _ = run(capsys, DEFAULT, "-w", "131072", "parallel.tp=8", "parallel.pp=4", "parallel.dp_shard=-1",
+    code, out, _ = run(capsys, DEFAULT, "-w", "131072", "parallel.tp=8", "parallel.pp=4", "model.layers=4", "parallel.dp_shard=-1",
                        "--rank", "131071", "--svg", str(path), "--svg-max-ranks", "64")
     assert code == 0
     sizes = dict(l.split() for l in section(out, "resolved sizes"))
@@ -291,7 +291,7 @@ def test_plan_of_one_rank_of_131072(capsys, tmp_path):
 def test_plan_of_one_rank_of_the_largest_world(capsys):
     """2^24 ranks: nothing of the world's size is listed (the rank's dp group alone has 2^19 members)."""
     W = 1 << 24
-    code, out, err = run(capsys, DEFAULT, "-w", str(W), "parallel.tp=8", "parallel.pp=4", "--rank", str(W - 1))
+    code, out, err = run(capsys, DEFAULT, "-w", str(W), "parallel.tp=8", "parallel.pp=4", "model.layers=4", "--rank", str(W - 1))
     assert code == 0, err
     rows = table_rows(section(out, f"groups of rank {W - 1}"))
     assert rows["dp"] == ["524288", "524287", "31/32", "[12582919, 12582927, 12582935, …, 16777215] (524288 ranks, stride 8)"]

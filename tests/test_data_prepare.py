@@ -132,3 +132,53 @@ def test_not_json_line(tmp_path, capsys):
     assert _prepare(str(bad), "--out", str(tmp_path / "c")) == 2
     assert f"{bad}: the line at byte 15 is not JSON" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_not_a_terminal_no_progress_lines_and_the_summary_names_both_files(inputs, tmp_path):
+    """stderr to a log (a pipe): a short job prints no progress lines, only the summary naming both files."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "out" / "docs")
+    p = subprocess.run([sys.executable, "-m", "megashard", "data", "prepare", *inputs, "--out", out],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and p.stdout == "", p.stderr
+    assert lines[0].startswith(f"megashard data prepare: wrote {out}.bin and {out}.idx: 5 documents, "), lines[0]
+    assert "[" not in lines[0] and "%" not in lines[0]
+
+
+def test_progress_off_a_terminal_prints_every_few_seconds_only():
+    import io
+
+    from megashard.progress import Progress
+
+    log = io.StringIO()
+    bar = Progress(100, "prepare", stream=log)  # default: a line every 10 s; this job takes no time
+    for _ in range(10):
+        bar.update(10)
+    bar.close()
+    assert log.getvalue() == ""
+    log = io.StringIO()
+    bar = Progress(100, "prepare", stream=log, log_seconds=0.0)  # a long job: lines as time passes, and the end
+    bar.update(50)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and "50.0%" in lines[0] and "100.0%" in lines[1] and "\r" not in log.getvalue()
+
+
+def test_named_empty_or_binary_inputs_are_refused_found_ones_left_out(inputs, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blob.bin").write_bytes(b"\x7fELF\x00\x01")
+    for bad, why in (("empty.txt", "is empty (0 bytes)"), ("blob.bin", "is binary, not text (a NUL byte at offset 4)")):
+        assert _prepare(inputs[0], str(tmp_path / bad), "--out", str(tmp_path / "out" / "c")) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / bad} {why}" in err, err
+        assert os.listdir(tmp_path / "out") == []
+    # found in a directory: left out with a note, the text files tokenized
+    out = str(tmp_path / "out" / "dir")
+    assert _prepare(str(tmp_path), "--out", out) == 0
+    assert "note: left out 2 empty or binary file(s) found in the inputs" in capsys.readouterr().err
+    assert json.load(open(out + ".meta.json"))["documents"] == 5

@@ -58,7 +58,7 @@ def test_blend_proportions_within_tolerance(weights):
 def test_blend_rejects_bad_weights():
     with pytest.raises(DataError, match="positive"):
         Blend([1.0, 0.0])
-    with pytest.raises(DataError, match="below 1/65536"):
+    with pytest.raises(DataError, match="below 1/65,536"):
         Blend([1.0, 1e-7])
 
 

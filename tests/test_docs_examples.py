@@ -233,7 +233,7 @@ def test_examples_were_found():
             "megashard run --help", "megashard ckpt --help", "configs/default.yaml", "docs/data.md",
             "megashard data --help", "configs/text.yaml"} <= where, sorted(where)
     readme = [e.argv for e in EXAMPLES if e.where.startswith("README.md")]
-    assert ["plan", "configs/default.yaml", "--world-size", "131072", "parallel.tp=8", "parallel.pp=4", "--rank",
+    assert ["plan", "configs/default.yaml", "--world-size", "131072", "parallel.tp=8", "parallel.pp=4", "model.layers=4", "--rank",
             "77777", "--ranks-per-node", "8"] in readme
     assert ["ckpt", "inspect", "runs/default/checkpoints"] in readme
     assert len(EXAMPLES) >= 30

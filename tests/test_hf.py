@@ -86,7 +86,7 @@ def check_init_llama(rank, world_size):
 def _hf_model(arch: str, seed: int):
     """A random Hugging Face model of the test's size (every weight, norms included, random)."""
     from megashard.train.config import JobConfig
-    from megashard.train.hf import hf_config
+    from megashard.models.hf import hf_config
 
     job = JobConfig.from_yaml(DEFAULT, BASE + ARCH[arch])
     conf = hf_config(job.model, job.ffn_hidden)
@@ -114,7 +114,7 @@ def runs(tmp_path_factory):
 
 def _megashard_logits(job, full: dict, ids: torch.Tensor) -> torch.Tensor:
     """Logits of megashard's model holding ``full``, in this process (the LM head applied to ln_f's output)."""
-    from megashard.train.model import GPT
+    from megashard.models.gpt.model import GPT
 
     model = GPT(job.model, ffn_hidden=job.ffn_hidden)
     model.load_state_dict(full)
@@ -162,6 +162,39 @@ def test_export_hf_logits_equal(runs, arch):
                 names |= set(h.keys())
     assert ("lm_head.weight" in names) == (arch == "gpt")
     assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] == (arch == "llama")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_export_hf_loads_and_generates_without_warnings_and_files_are_shareable(runs, tmp_path, arch):
+    """What a user uploads as it is: from_pretrained + generate(max_new_tokens=...) with every warning an error
+    (generation_config.json sets no max_length), and every file with the mode of a new file (0644 under umask 022,
+    not safetensors' 0600)."""
+    import stat
+    import warnings
+
+    root, res = runs
+    res.assert_ok(f"check_train_{arch}")
+    from megashard.train.hf_io import export_hf
+
+    out = str(tmp_path / f"share_{arch}")
+    old = os.umask(0o022)
+    try:
+        export_hf(os.path.join(root, arch, "checkpoints"), out)
+    finally:
+        os.umask(old)
+    modes = {f: stat.S_IMODE(os.stat(os.path.join(out, f)).st_mode) for f in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, {f: oct(m) for f, m in modes.items()}
+    assert "max_length" not in json.load(open(os.path.join(out, "generation_config.json")))
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf = cls.from_pretrained(out).eval()
+        with torch.no_grad():
+            got = hf.generate(ids, max_new_tokens=5)  # as a user calls it
+    assert got.shape == (1, 9) and torch.equal(got[:, :4], ids)
+    with torch.no_grad():  # greedy: each new token is the argmax of the logits of the sequence so far
+        assert int(got[0, 4]) == int(hf(ids).logits[0, -1].argmax())
 
 
 def test_export_hf_shards_and_refuses_existing_output(runs, tmp_path):

@@ -78,6 +78,26 @@ class CheckpointInfo:
         return sum(t.nbytes for t in self.tensors)
 
 
+#: ``ckpt inspect`` shows keys in these groups, in this order, by their first dotted part (the rest: ``extra``).
+KEY_GROUPS = (("model", ("model",)), ("optimizer", ("optim",)))
+
+
+def key_group(key: str) -> str:
+    """``"model"``, ``"optimizer"`` or ``"extra"`` (anything else: rng, data state, user sections) for a saved key."""
+    head = key.split(".", 1)[0]
+    return next((name for name, prefixes in KEY_GROUPS if head in prefixes), "extra")
+
+
+def key_order(key: str) -> tuple:
+    """Sort key of a saved key: its group (model, optimizer, extra), then by name with numbers in numeric order
+    (``blocks.2`` before ``blocks.10``)."""
+    import re
+
+    order = [name for name, _ in KEY_GROUPS] + ["extra"]
+    parts = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", key) if p)
+    return (order.index(key_group(key)), parts)
+
+
 def _writer_rank(relative_path: str) -> Optional[int]:
     """Rank in a DCP data file name ``__<rank>_<n>.distcp``."""
     parts = relative_path.split("_")
@@ -134,6 +154,8 @@ def inspect_checkpoint(path: str, *, verify: bool = True, progress: bool = False
                                       sorted(r for r in writers.get(key, ()) if r is not None)))
         elif isinstance(m, BytesStorageMetadata):
             objects.append(key)
+    tensors.sort(key=lambda t: key_order(t.key))  # DCP lists them in the order ranks wrote them
+    objects.sort(key=key_order)
     root = os.path.dirname(ckpt)
     return CheckpointInfo(
         path=ckpt, step=marker.step, algorithm=marker.algorithm, files=len(marker.files), file_bytes=marker.total_bytes,
@@ -178,11 +200,20 @@ def format_info(info: CheckpointInfo) -> str:
         lines += [f"  {p}" for p in info.problems]
     kw = max([len("key")] + [len(t.key) for t in info.tensors])
     sw = max([len("shape")] + [len(str(t.shape)) for t in info.tensors])
+    for group in [name for name, _ in KEY_GROUPS] + ["extra"]:  # tensors are sorted by key_order already
+        tensors = [t for t in info.tensors if key_group(t.key) == group]
+        objects = [k for k in info.objects if key_group(k) == group]
+        if not tensors and not objects:
+            continue
+        lines.append("")
+        lines.append(f"{group}: {len(tensors)} tensors, {_fmt_bytes(sum(t.nbytes for t in tensors))}"
+                     + (f"; non-tensor items: {', '.join(objects)}" if objects else ""))
+        if tensors:
+            lines.append(f"  {'key':<{kw}}  {'shape':<{sw}}  {'dtype':<9}  {'size':>10}  chunks  written by rank")
+        for t in tensors:
+            lines.append(f"  {t.key:<{kw}}  {str(t.shape):<{sw}}  {t.dtype:<9}  {_fmt_bytes(t.nbytes):>10}  "
+                         f"{t.chunks:>6}  {_fmt_ranks(t.writers)}")
     lines.append("")
-    lines.append(f"{'key':<{kw}}  {'shape':<{sw}}  {'dtype':<9}  {'size':>10}  chunks  written by rank")
-    for t in info.tensors:
-        lines.append(f"{t.key:<{kw}}  {str(t.shape):<{sw}}  {t.dtype:<9}  {_fmt_bytes(t.nbytes):>10}  {t.chunks:>6}  "
-                     f"{_fmt_ranks(t.writers)}")
     lines.append(f"{len(info.tensors)} tensors, {_fmt_bytes(info.tensor_bytes)}; {len(info.objects)} non-tensor items")
     if info.siblings:
         lines.append("")
@@ -197,8 +228,8 @@ def info_to_dict(info: CheckpointInfo) -> dict:
         "path": info.path, "step": info.step, "algorithm": info.algorithm, "files": info.files,
         "file_bytes": info.file_bytes, "layout": info.layout, "consumed_samples": info.consumed_samples,
         "has_data_state": info.has_data_state, "torch": info.torch_version,
-        "tensors": [{"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "chunks": t.chunks,
-                     "writers": t.writers} for t in info.tensors],
+        "tensors": [{"key": t.key, "group": key_group(t.key), "shape": list(t.shape), "dtype": t.dtype,
+                     "bytes": t.nbytes, "chunks": t.chunks, "writers": t.writers} for t in info.tensors],
         "objects": info.objects, "siblings": [{"name": n, "state": s} for n, s in info.siblings],
         "problems": info.problems,
     }
@@ -291,9 +322,17 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
     """Write a checkpoint's full (unsharded) state into one ``torch.save`` file ``out``.
 
     The file loads with ``torch.load(out, weights_only=True)``; it is written to ``out + ".tmp"`` first
-    and renamed, so ``out`` is never half-written. Returns a summary ``{"path", "out", "tensors", "bytes"}``.
+    and renamed, so ``out`` is never half-written (missing parent directories are created). Returns a summary
+    ``{"path", "out", "tensors", "bytes"}``. ``out`` is checked before anything is read
+    (:func:`megashard.outputs.check_output_file`): ConfigError for a directory, a path under a file, an unwritable
+    place or a path inside the checkpoint itself.
     """
-    state = load_full_state_dict(path, keys=keys, verify=verify, progress=progress)
+    from megashard.outputs import check_output_file
+
+    ckpt = safety.resolve_checkpoint(path)
+    check_output_file("OUT", out, reads=[ckpt], create_parents=True, example="full.pt")
+    check_output_file("OUT", out + ".tmp", reads=[ckpt], create_parents=True)  # written first, then renamed
+    state = load_full_state_dict(ckpt, keys=keys, verify=verify, progress=progress)
     count, nbytes = 0, 0
 
     def walk(x: Any) -> None:
@@ -314,4 +353,4 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
     tmp = out + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, out)
-    return {"path": os.path.abspath(safety.resolve_checkpoint(path)), "out": out, "tensors": count, "bytes": nbytes}
+    return {"path": os.path.abspath(ckpt), "out": out, "tensors": count, "bytes": nbytes}

@@ -39,7 +39,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                     help="train a byte-level BPE tokenizer of VOCAB ids on the inputs first (needs 'megashard[data]')")
     pr.add_argument("--workers", "-j", type=int, default=1, metavar="N", help="tokenizing processes (default 1)")
     pr.add_argument("--text-key", default="text", metavar="KEY", help="JSON-lines field holding the text (default text)")
-    pr.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    pr.add_argument("--quiet", "-q", action="store_true",
+                    help="no progress (shown on a terminal; in a log, a line every 10 s of a long job)")
     pr.set_defaults(handler=_cmd_data_prepare, parser=pr)
     ins = cmds.add_parser("inspect", help="documents, tokens, dtype and tokenizer of a dataset",
                           description="Describe an indexed dataset (PREFIX, PREFIX.bin or PREFIX.idx).")
@@ -53,7 +54,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
 
     r = prepare(args.inputs, args.out, args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
                 text_key=args.text_key, progress=not args.quiet)
-    print(f"megashard data prepare: wrote {r.prefix}.bin/.idx: {r.documents:,} documents, {r.tokens:,} tokens "
+    print(f"megashard data prepare: wrote {r.prefix}.bin and {r.prefix}.idx: {r.documents:,} documents, {r.tokens:,} tokens "
           f"(tokenizer {r.tokenizer}, vocabulary {r.vocab_size}) from {len(r.files)} file(s), "
           f"{r.input_bytes / 1e6:.1f} MB in {r.seconds:.1f} s", file=sys.stderr)
     return 0

@@ -43,11 +43,8 @@ def check_int(option: str, value: int, low: int, high: int | None = None, note: 
 
 
 def check_output_path(option: str, path: str) -> None:
-    """ConfigError when ``path`` cannot be a new file: its directory is missing or it is a directory."""
-    import os
+    """ConfigError when ``path`` cannot be a new file (:func:`megashard.outputs.check_output_file`): it is a
+    directory, its directory is missing, lies under a file or is not writable."""
+    from megashard.outputs import check_output_file
 
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, 'layout.svg')}")
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{option} {path}: the directory {parent} does not exist; create it or write elsewhere")
+    check_output_file(option, path, example="layout.svg")

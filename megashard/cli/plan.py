@@ -132,9 +132,10 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG}\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 32 --tp 4\n"
             "  megashard plan configs/modules/vision-llm.yaml\n"
-            f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 parallel.dp_shard=-1 --rank 5\n"
+            f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 model.layers=4 parallel.dp_shard=-1 --rank 5\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
+            "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\nexit codes: 0 ok, 1 --strict and locality warnings (or output not writable), 2 invalid config or usage"
         ),
@@ -183,10 +184,18 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="largest number of ranks drawn; bigger worlds show their first whole nodes (default 512)",
     )
     p.add_argument("--strict", action="store_true", help="exit 1 when the locality report has warnings")
+    from megashard.cli.suggest import add_suggest_options
+
+    add_suggest_options(p)
     p.set_defaults(handler=_cmd_plan, parser=p, accepts_overrides=True)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from megashard.cli.suggest import cmd_suggest, check_not_suggest
+
+    if args.suggest:
+        return cmd_suggest(args)
+    check_not_suggest(args)
     from megashard.layout import GROUP_NAMES, RankLayout, locality
     from megashard.layout.plan import MAX_LISTED_RANKS, build_plan, check_listing, format_table, plan_to_json
     from megashard.layout.plan_svg import MAX_SVG_RANKS, render_svg
@@ -226,6 +235,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if flags:
             config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
     sizes = config.resolve(world_size)  # the one resolve of this process
+    if job is not None:
+        job.check_pipeline(sizes.pp, sizes.vpp)  # what `run` refuses for any world size: the model fills the stages
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
@@ -246,7 +257,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
     placement = None
     if job is not None:
-        from megashard.train.stages import format_placement, model_placement
+        from megashard.models.stages import format_placement, model_placement
 
         placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
         plan["model_placement"] = placement

@@ -93,14 +93,15 @@ def parse_nccl_config(path: str | None, high_priority_stream_groups: Any = None)
             raise ConfigError(f"nccl_communicator_config_path={path!r} must be the path of a YAML file, or null")
         if not os.path.isfile(path):
             raise ConfigError(f"nccl_communicator_config_path={path!r}: no such file")
-        import yaml
+        from megashard.config.yamlfile import parse_yaml
 
         try:
             with open(path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"nccl_communicator_config_path={path!r}: cannot read it as YAML "
                               f"({str(e).splitlines()[0]})") from None
+        doc = parse_yaml(text, f"nccl_communicator_config_path={path!r}")
         doc = {} if doc is None else doc
         if not isinstance(doc, Mapping):
             raise ConfigError(f"nccl_communicator_config_path={path!r} must hold a mapping of group names to options, "

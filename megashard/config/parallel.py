@@ -96,8 +96,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         # Invalid values fail where they are written, and only here: the config is frozen, so resolve() and
         # ParallelState trust it. Lists (from YAML) are kept as tuples so that a frozen config stays hashable.
-        for name in ("hierarchical_context_parallel_sizes", "high_priority_stream_groups"):
+        for name, item in _list_fields().items():
             v = getattr(self, name)
+            _check_list(name, v, item)  # a string is not a list of names (tuple("dp") would be ('d', 'p'))
             if isinstance(v, list):
                 object.__setattr__(self, name, tuple(v))
         self.validate()
@@ -243,6 +244,39 @@ class ParallelConfig:
         checked when it was built and is frozen, so nothing is validated twice."""
         return resolve_sizes(self, world_size)
 
+
+
+_LIST_FIELDS: dict[str, type] | None = None
+_EXAMPLES = {int: "[2, 2]", str: "[dp_cp, ep_dp]"}
+
+
+def _list_fields() -> dict[str, type]:
+    """``{field: item type}`` of ParallelConfig's list-typed fields (``list[int] | None`` ...), from the annotations."""
+    global _LIST_FIELDS
+    if _LIST_FIELDS is None:
+        import typing
+
+        out = {}
+        for name, hint in typing.get_type_hints(ParallelConfig).items():
+            for arg in (hint, *typing.get_args(hint)):
+                if typing.get_origin(arg) is list:
+                    out[name] = typing.get_args(arg)[0]
+        _LIST_FIELDS = out
+    return _LIST_FIELDS
+
+
+def _check_list(name: str, value: Any, item: type) -> None:
+    """ConfigError unless ``value`` is None or a list (tuple) of ``item`` values."""
+    if value is None:
+        return
+    kind = "integers" if item is int else "strings"
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(v, item) and not isinstance(v, bool) for v in value)
+    if not ok:
+        shown = list(value) if isinstance(value, tuple) else value
+        raise ConfigError(f"{name}={shown!r} must be a list of {kind} such as {_EXAMPLES.get(item, '[...]')} "
+                          f"(on the command line: parallel.{name}={_EXAMPLES.get(item, '[...]').replace(' ', '')}), "
+                          "or null")
 
 
 def parallel_section(doc: Mapping[str, Any], path: str = "config") -> Mapping[str, Any]:

@@ -3,6 +3,12 @@
 :func:`load_yaml` is the one place a config file is read and parsed (once per process: ``megashard plan``,
 ``megashard run`` and every worker each call it once), :func:`apply_overrides` applies ``key=value`` items to the
 parsed mapping, :func:`reject_unknown_keys` names misspelled keys of a section.
+
+Every YAML text megashard reads (config files, override values, the NCCL options file) goes through
+:func:`parse_yaml`: safe tags only, no duplicate keys, at most :data:`MAX_DEPTH` levels of nesting (deeper
+documents would exhaust Python's recursion) and at most :data:`MAX_NODES` values once aliases are expanded
+(an "alias bomb" of a few lines expands to millions) — both checked on the node graph, before any Python object
+is built.
 """
 from __future__ import annotations
 
@@ -15,9 +21,36 @@ import yaml
 
 from megashard.errors import ConfigError, unknown_names
 
+#: Deepest nesting of lists and mappings a config may have (a job config needs 4: section, key, list, pair).
+MAX_DEPTH = 50
+#: Most values (scalars, lists, mappings) a YAML document may hold once its aliases are expanded.
+MAX_NODES = 100_000
+
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping key given twice (plain YAML keeps the last one silently)."""
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (plain YAML keeps the last one silently), nesting
+    deeper than :data:`MAX_DEPTH` and documents of more than :data:`MAX_NODES` values with aliases expanded."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # Composition recurses once per level: stop far before Python's recursion limit.
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"{self.name}: nesting deeper than {MAX_DEPTH} levels at line {mark.line + 1}, "
+                                  f"column {mark.column + 1}; a config nests a few levels (section, key, list)")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node, self.name)  # before construction: aliases are still shared nodes here
+        return self.construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -40,6 +73,45 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _check_expanded_size(root: yaml.Node, name: str) -> None:
+    """ConfigError when the document under ``root`` holds more than MAX_NODES values with every alias expanded
+    (counted once per distinct node, memoised: linear in the size of the text, whatever the expansion)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:  # depth is bounded by MAX_DEPTH (compose_node)
+        got = sizes.get(id(node))
+        if got is not None:
+            return got
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            n += sum(size(c) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n += sum(size(k) + size(v) for k, v in node.value)
+        sizes[id(node)] = n = min(n, MAX_NODES + 1)  # saturate: the total is all that matters
+        if n > MAX_NODES:
+            raise ConfigError(f"{name}: the YAML expands to more than {MAX_NODES:,} values (aliases of aliases, "
+                              f"from line {node.start_mark.line + 1}); a config holds far fewer: write the values "
+                              "out or use fewer aliases")
+        return n
+
+    size(root)
+
+
+def parse_yaml(text: str, name: str) -> Any:
+    """Parse one YAML document (safe tags; duplicate keys, MAX_DEPTH and MAX_NODES checked); ``name`` is used in
+    error messages. ConfigError (one line) for anything wrong."""
+    loader = UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise _yaml_error(name, e) from None
+    except RecursionError:  # pragma: no cover - MAX_DEPTH stops composition long before
+        raise ConfigError(f"{name}: the YAML nests too deeply") from None
+    finally:
+        loader.dispose()
+
+
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
     """One line for a YAML syntax error: the problem and where it is (line:column, 1-based)."""
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
@@ -53,8 +125,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping safely (no arbitrary Python objects); a duplicate key is an error.
 
     Raises ConfigError with one line for a path that is missing, a directory or not a regular file,
-    unreadable, not UTF-8 text (naming the line and byte), not valid YAML (line and column), or whose top level
-    is not a mapping.
+    unreadable, not UTF-8 text (naming the line and byte), not valid YAML (line and column), empty, nested too deeply
+    or too large once aliases are expanded (:func:`parse_yaml`), or whose top level is not a mapping.
     """
     if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist")
@@ -80,16 +152,10 @@ def load_yaml(path: str) -> dict[str, Any]:
             f"config file {path!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line} (byte offset {e.start}) "
             "is not valid UTF-8; save the file as UTF-8"
         ) from None
-    loader = UniqueKeyLoader(text)
-    loader.name = path
-    try:
-        doc = loader.get_single_data()
-    except yaml.YAMLError as e:
-        raise _yaml_error(path, e) from None
-    finally:
-        loader.dispose()
+    doc = parse_yaml(text, path)
     if doc is None:
-        return {}
+        raise ConfigError(f"config file {path!r} is empty (no YAML mapping); a job config holds sections such as "
+                          "'parallel:' and 'model:' (see configs/default.yaml)")
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(doc).__name__}; a job YAML holds "
                           "sections such as 'parallel:' and 'model:'")
@@ -105,9 +171,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key part")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = parse_yaml(raw, f"override {key.strip()}") if raw.strip() else ""
+    except ConfigError as e:
+        if "not valid YAML" not in str(e):
+            raise  # too deep or too large
+        value = raw  # not YAML: the text itself (e.g. a path with ': ' in it)
     return parts, value
 
 

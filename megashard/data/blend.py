@@ -14,6 +14,7 @@ been drawn ``n · w_d`` times ± ``(n / K + 2)`` (± 3.6 samples at ``n = 10⁵`
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -21,9 +22,37 @@ import torch
 from megashard.data.samples import Split, WindowSource
 from megashard.errors import DataError
 
-__all__ = ["Blend", "BlendedSamples", "BLOCK"]
+__all__ = ["Blend", "BlendedSamples", "BLOCK", "normalise_weights"]
 
 BLOCK = 65536
+
+
+def normalise_weights(weights: Sequence[float], block: int = BLOCK, names: Sequence[str] = ()) -> list[float]:
+    """Blend weights as fractions summing to 1; DataError (one line) unless every weight is a finite number > 0 and
+    at least 1/``block`` of the total (a smaller one would never be drawn: a blend deals ``block`` samples at a
+    time). ``names``: the datasets, for the message."""
+    def who(d: int) -> str:
+        return f" ({names[d]})" if d < len(names) else ""
+
+    if not weights:
+        raise DataError("a blend needs at least one dataset weight")
+    for d, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not w > 0:
+            raise DataError(f"blend weight {w!r}{who(d)} must be a finite positive number (weights are relative: "
+                            "e.g. 0.7 and 0.3)")
+    top = float(max(weights))
+    scaled = [w / top for w in weights]  # no overflow for weights near the float maximum
+    total = sum(scaled)
+    fractions = [w / total for w in scaled]
+    if len(weights) > 1:
+        small = [d for d, f in enumerate(fractions) if f * block < 1]
+        if small:
+            d = small[0]
+            raise DataError(f"blend weight {weights[d]!r}{who(d)} is {fractions[d]:.3g} of the total weight "
+                            f"{sum(weights):.6g}, below 1/{block:,}: that dataset would never be drawn (a blend deals "
+                            f"{block:,} samples at a time); give weights of a similar scale (e.g. 0.7 and 0.3) or "
+                            "leave the dataset out")
+    return fractions
 
 
 def _largest_remainder(weights: Sequence[float], total: int) -> list[int]:
@@ -43,15 +72,12 @@ class Blend:
     """
 
     def __init__(self, weights: Sequence[float], block: int = BLOCK) -> None:
-        if not weights or any(not w > 0 for w in weights):
-            raise DataError(f"blend weights must be positive numbers, got {list(weights)}")
+        normalise_weights(weights, block)  # finite, > 0, none too small to be drawn
+        if not math.isfinite(float(sum(weights))):  # huge weights: only their ratios matter
+            weights = [w / float(max(weights)) for w in weights]
         self.block = block if len(weights) > 1 else 1
         self.weights = [w / float(sum(weights)) for w in weights]
         self.counts = _largest_remainder(weights, self.block)
-        small = [d for d, c in enumerate(self.counts) if c == 0]
-        if small:
-            raise DataError(f"blend weight(s) {[weights[d] for d in small]} are below 1/{block} of the total "
-                            f"{sum(weights)}: such a dataset would never be drawn")
         pos, ds, ranks = [], [], []
         for d, c in enumerate(self.counts):
             k = torch.arange(c, dtype=torch.float64)

@@ -48,6 +48,7 @@ PIECE = 32 << 20  # bytes of a JSON-lines task
 CHUNK = 1 << 20  # bytes read at a time from a text file
 WHOLE = 16 << 20  # a text document up to this size is tokenized in one piece by BPE tokenizers
 BATCH = 256  # JSON-lines documents tokenized together
+MIN_TRAINED_VOCAB, MAX_TRAINED_VOCAB = 258, 1 << 24  # --train-tokenizer: > EOD + 256 bytes; int32 ids, sane size
 
 
 @dataclass
@@ -66,26 +67,69 @@ class PrepareResult:
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Files of the INPUT arguments, in order (directories sorted, globs sorted); a clear error for none."""
+    return [f for f, _ in _expand(inputs)]
+
+
+def _expand(inputs: Sequence[str]) -> list[tuple[str, bool]]:
+    """``(file, named)`` of the INPUT arguments: ``named`` when the argument was the file itself (not a directory
+    or a glob)."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    files: list[str] = []
+    files: list[tuple[str, bool]] = []
     for item in inputs:
         item = item.replace("{stdlib}", stdlib)
         if os.path.isfile(item):
-            files.append(item)
+            files.append((item, True))
         elif os.path.isdir(item):
             found = sorted(os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs)
             if not found:
                 raise DataError(f"{item}: the input directory has no files")
-            files += found
+            files += [(f, False) for f in found]
         elif glob.has_magic(item):
             found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
             if not found:
                 raise DataError(f"{item}: no input file matches this pattern")
-            files += found
+            files += [(f, False) for f in found]
+        elif os.path.exists(item):
+            raise DataError(f"{item}: not a regular file (a device, pipe or socket); give text or JSON-lines files")
         else:
             raise DataError(f"{item}: no such input file")
     if not files:
         raise DataError("no input files given")
+    return files
+
+
+def _not_text(path: str) -> Optional[str]:
+    """Why ``path`` is no input for a corpus (``"empty"``, ``"binary ..."``, ``"unreadable ..."``), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if not head:
+        return "is empty (0 bytes): no document to tokenize"
+    nul = head.find(bytes(1))
+    if nul >= 0:  # as git and grep decide: text has no NUL bytes
+        return f"is binary, not text (a NUL byte at offset {nul})"
+    return None
+
+
+def _text_inputs(inputs: Sequence[str], notes: Optional[list[str]] = None) -> list[str]:
+    """The files to tokenize: a file named on its own must be non-empty text (DataError otherwise); empty and
+    binary files found in a directory or by a glob are left out (counted in ``notes``)."""
+    files, skipped = [], []
+    for path, named in _expand(inputs):
+        why = _not_text(path)
+        if why is None:
+            files.append(path)
+        elif named:
+            raise DataError(f"{path} {why}; give text or JSON-lines files")
+        else:
+            skipped.append(path)
+    if not files:
+        raise DataError(f"no text to tokenize: all {len(skipped)} input file(s) are empty or binary "
+                        f"(e.g. {skipped[0]})")
+    if skipped and notes is not None:
+        notes.append(f"left out {len(skipped)} empty or binary file(s) found in the inputs (e.g. {skipped[0]})")
     return files
 
 
@@ -259,21 +303,34 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
     Raises :class:`DataError` (before anything is written) for a missing input, a missing output directory,
     a tokenizer that does not exist, bad ``workers``; an error while writing leaves no output behind.
     """
-    if not isinstance(workers, int) or workers < 1:
+    from megashard.outputs import check_output_file
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise DataError(f"--workers {workers!r} must be a positive integer")
-    out_dir = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(out_dir):
-        raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")
+    if train_tokenizer is not None and (isinstance(train_tokenizer, bool) or not isinstance(train_tokenizer, int)
+                                        or not MIN_TRAINED_VOCAB <= train_tokenizer <= MAX_TRAINED_VOCAB):
+        raise DataError(f"--train-tokenizer {train_tokenizer!r}: a byte-level BPE vocabulary needs "
+                        f"{MIN_TRAINED_VOCAB:,}..{MAX_TRAINED_VOCAB:,} ids (more than the end-of-document token and "
+                        "256 bytes), e.g. 8000; leave the option out for the byte tokenizer")
     if not os.path.basename(out):
         raise DataError(f"--out {out!r} must be a file prefix (e.g. data/corpus), not a directory")
-    files = expand_inputs(inputs)
-    tok = None if train_tokenizer else load_tokenizer(tokenizer)
+    out_dir = os.path.dirname(os.path.abspath(out))
+    check_output_file("--out", out, create_parents=True)  # not under a file, writable
+    if not os.path.isdir(out_dir):
+        raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")
+    notes: list[str] = []
+    files = _text_inputs(inputs, notes)
+    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):  # not a directory, writable, no input
+        check_output_file("--out", out + suffix, reads=files)
+    for note in notes:
+        print(f"megashard data prepare: note: {note}", file=sys.stderr)
+    tok = None if train_tokenizer is not None else load_tokenizer(tokenizer)
     t0 = time.perf_counter()
     tmp_prefix = f"{out}.tmp{os.getpid()}"
     tmp_tok = tmp_prefix + TOKENIZER_SUFFIX
     tasks: list[_Task] = []
     try:
-        if train_tokenizer:
+        if train_tokenizer is not None:
             texts = (piece for f in files for doc in iter_documents(f, text_key) for piece in doc)
             if progress:
                 print(f"megashard data prepare: training a byte-level BPE tokenizer of {train_tokenizer} ids on "
@@ -294,7 +351,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
 
             # fork on Linux: the workers inherit the imported modules (spawn would import torch in each, ~2 s).
             method = "fork" if sys.platform.startswith("linux") else "spawn"
-            if train_tokenizer:  # the library's threads ran in this process: keep them off in the forked workers
+            if train_tokenizer is not None:  # the library's threads ran in this process: keep them off in the forked workers
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             # torch.set_num_threads(1) first: a forked child using the parent's OpenMP pool would hang.
             with mp.get_context(method).Pool(n, initializer=_worker_init) as pool:

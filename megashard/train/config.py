@@ -119,7 +119,7 @@ class JobConfig:
     def ffn_hidden(self) -> int:
         if self.model.ffn_hidden:
             return self.model.ffn_hidden
-        from megashard.train.model import default_ffn_hidden
+        from megashard.models.gpt.model import default_ffn_hidden
 
         return default_ffn_hidden(self.model)
 
@@ -192,44 +192,59 @@ class JobConfig:
         if self.data.source == "indexed":
             from megashard.train.data import check_corpus
 
-            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits
+            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits, the samples (check_samples)
+        else:
+            from megashard.train.data import check_samples
+
+            check_samples(self)  # what each worker would find: enough data for a training sample
         self.requested_checkpoint()
         return s
 
     def _validate_pipeline(self, s: ResolvedSizes) -> None:
         """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
-        m, t = self.model, self.train
-        vpp = s.vpp or 1
+        t = self.train
         mb = self.microbatches(s.pp)
         _need(t.global_batch % (s.dp * mb) == 0,
               f"train.global_batch={t.global_batch} must divide by train.microbatches × dp = {mb} × {s.dp} = "
               f"{mb * s.dp} (global batch = microbatches × micro-batch size × dp); valid microbatches: "
               f"{fmt_divisors(t.global_batch // s.dp)}")
-        if s.pp == 1:
+        self.check_pipeline(s.pp, s.vpp)
+
+    def check_pipeline(self, pp: int, vpp: Optional[int]) -> None:
+        """The rules of the pipeline that need no world size (``megashard plan`` applies them too): the schedule
+        against pp and vpp, microbatches >= pp for the schedules that keep one in flight per rank, and a block per
+        stage. ConfigError naming the keys, values and the way out."""
+        m, t = self.model, self.train
+        if pp == 1:
             return
+        v = vpp or 1
+        mb = self.microbatches(pp)
         sched = t.pipeline_schedule
         if sched in ("1f1b", "gpipe"):
-            _need(vpp == 1, f"parallel.vpp={vpp} runs several stages per rank, but train.pipeline_schedule={sched!r} "
+            _need(v == 1, f"parallel.vpp={v} runs several stages per rank, but train.pipeline_schedule={sched!r} "
                   "runs one: use train.pipeline_schedule=interleaved_1f1b (or zbv with vpp=2), or vpp: null")
         elif sched == "interleaved_1f1b":
-            _need(vpp >= 2, f"train.pipeline_schedule=interleaved_1f1b needs parallel.vpp >= 2 (virtual stages per "
-                  f"rank), got vpp={s.vpp}; or use train.pipeline_schedule=1f1b")
-            rounds = max(1, mb // s.pp)
+            _need(v >= 2, f"train.pipeline_schedule=interleaved_1f1b needs parallel.vpp >= 2 (virtual stages per "
+                  f"rank), got vpp={vpp}; or use train.pipeline_schedule=1f1b")
+            rounds = max(1, mb // pp)
             _need(mb % rounds == 0, f"train.microbatches={mb}: interleaved_1f1b needs a multiple of "
-                  f"max(1, microbatches // pp) = {rounds}; e.g. {s.pp} or {2 * s.pp}")
+                  f"max(1, microbatches // pp) = {rounds}; e.g. {pp} or {2 * pp}")
         elif sched == "zbv":
-            _need(vpp == 2, f"train.pipeline_schedule=zbv runs exactly two stages per rank: set parallel.vpp=2 "
-                  f"(got vpp={s.vpp})")
-            _need(mb >= s.pp, f"train.microbatches={mb}: zbv needs at least pp={s.pp} microbatches")
-        if sched == "1f1b":
-            _need(mb >= s.pp, f"train.microbatches={mb}: 1f1b needs at least pp={s.pp} microbatches (every stage "
-                  f"must have one in flight); use microbatches >= {s.pp} or train.pipeline_schedule=gpipe")
+            _need(v == 2, f"train.pipeline_schedule=zbv runs exactly two stages per rank: set parallel.vpp=2 "
+                  f"(got vpp={vpp})")
+        if sched in ("1f1b", "interleaved_1f1b", "zbv"):
+            # With fewer microbatches than ranks some rank never has one in flight: all bubble, and Megatron
+            # refuses it too. gpipe runs any number.
+            other = "train.pipeline_schedule=gpipe" if v == 1 else "parallel.vpp: null with train.pipeline_schedule=gpipe"
+            _need(mb >= pp, f"train.microbatches={mb}: {sched} needs at least pp={pp} microbatches (every pipeline "
+                  f"rank must have one in flight); use train.microbatches >= {pp} (null = pp) or {other}")
         _need(not m.distribute_saved_activations, "model.distribute_saved_activations=true is not supported with "
-              f"pipeline parallelism (parallel.pp={s.pp}): pipeline schedules recompute through torch.utils.checkpoint; "
+              f"pipeline parallelism (parallel.pp={pp}): pipeline schedules recompute through torch.utils.checkpoint; "
               "set it to false (model.recompute=true still works)")
-        stages = s.pp * vpp
-        _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {s.pp} × {vpp} = {stages} "
-              "pipeline stages (every stage holds at least one block); lower pp/vpp or add layers")
+        stages = pp * v
+        _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {pp} × {v} = {stages} "
+              f"pipeline stages (every stage holds at least one block); use model.layers >= {stages} or lower "
+              "parallel.pp / parallel.vpp")
 
     def requested_checkpoint(self) -> Optional[str]:
         """The checkpoint ``checkpoint.load_step`` / ``checkpoint.load_path`` asks for (absolute path), or None.
@@ -342,6 +357,10 @@ class JobConfig:
             from megashard.train.data import data_paths
 
             data_paths(d)  # path xor blend, well-formed
+        elif d.blend is not None:
+            from megashard.train.data import blend_pairs
+
+            blend_pairs(d.blend)  # well-formed even where it is not used
         if d.source == "text":
             _need(m.vocab_size >= 256, f"data.source=text is byte-level: model.vocab_size={m.vocab_size} must be >= 256")
         _need(d.branching <= m.vocab_size, f"data.branching={d.branching} must be <= model.vocab_size={m.vocab_size}")

@@ -28,7 +28,7 @@ from megashard.errors import ConfigError, DataError
 from megashard.train.config import JobConfig
 from megashard.train.sections import DataConfig, ModelConfig
 
-__all__ = ["Batches", "synthetic_sequences", "data_paths", "check_corpus", "ensure_corpus", "build_samples"]
+__all__ = ["Batches", "synthetic_sequences", "data_paths", "blend_pairs", "check_corpus", "check_samples", "ensure_corpus", "build_samples"]
 
 
 def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
@@ -60,16 +60,43 @@ def data_paths(data: DataConfig) -> list[tuple[float, str]]:
                           f"got {data.prepare_inputs!r}")
     if data.blend is None:
         return [(1.0, data.path)]
+    return blend_pairs(data.blend)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def blend_pairs(blend: Any) -> list[tuple[float, str]]:
+    """``data.blend`` as ``[(weight, path), ...]``; ConfigError (one line) unless it is a non-empty list of
+    ``[weight, path]`` pairs with finite weights > 0 of a similar scale (:func:`megashard.data.blend.normalise_weights`)."""
+    import math
+
+    from megashard.data.blend import normalise_weights
+
     rule = "data.blend must be a non-empty list of [weight, path] pairs with weights > 0, e.g. [[0.7, data/a], [0.3, data/b]]"
-    if not isinstance(data.blend, list) or not data.blend:
-        raise ConfigError(f"{rule}; got {data.blend!r}")
+    if not isinstance(blend, list) or not blend:
+        raise ConfigError(f"{rule}; got {_short(blend)}")
     out = []
-    for item in data.blend:
-        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str)
-        ok = ok and isinstance(item[0], (int, float)) and not isinstance(item[0], bool) and item[0] > 0
+    for item in blend:
+        if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
+            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+                item = [float(item[0]), item[1]]
+            except ValueError:
+                pass
+        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str) and bool(item[1])
+        ok = ok and isinstance(item[0], (int, float)) and not isinstance(item[0], bool)
         if not ok:
-            raise ConfigError(f"{rule}; got the entry {item!r}")
+            raise ConfigError(f"{rule}; got the entry {_short(item)}")
+        if not (math.isfinite(item[0]) and item[0] > 0):
+            raise ConfigError(f"data.blend weight {item[0]!r} of {item[1]} must be a finite number > 0 (weights are "
+                              "relative: e.g. [[0.7, data/a], [0.3, data/b]])")
         out.append((float(item[0]), item[1]))
+    try:
+        normalise_weights([w for w, _ in out], names=[p for _, p in out])
+    except DataError as e:
+        raise ConfigError(f"data.{e}") from None
     return out
 
 
@@ -85,8 +112,10 @@ def check_corpus(job: JobConfig, tp: int) -> None:
 
     d, m = job.data, job.model
     seen: dict[str, Any] = {}
+    missing = False
     for _, path in data_paths(d):
         if d.prepare_inputs and d.blend is None and path == d.path and not corpus_exists(path):
+            missing = True
             continue  # prepared by the launcher before the workers start, then checked again
         stream = open_tokens(path, d.flat_dtype)
         if stream.num_tokens <= m.seq_len:
@@ -106,6 +135,48 @@ def check_corpus(job: JobConfig, tp: int) -> None:
             raise ConfigError(f"data.blend mixes tokenizers: {path} has vocabulary {v} (end of document "
                               f"{meta.get('eod_id')}), {other} has {seen[other][0]} ({seen[other][1]})")
         seen[path] = key
+    if not missing:
+        check_samples(job)
+
+
+#: Datasets without a recorded vocabulary (flat token files, corpora without metadata) up to this size are scanned
+#: for their largest token id before any process starts; larger ones are checked as batches are read.
+SCAN_BYTES = 256 << 20
+
+
+def check_samples(job: JobConfig) -> None:
+    """What every worker would otherwise find on its own, and print once per rank and per restart: build the job's
+    samples as the workers do (files are mapped, no token is read) — every dataset holds a sample of
+    ``model.seq_len + 1`` tokens and a training sample after the validation split, every blend weight can be
+    drawn — and check the token ids of a dataset without a recorded vocabulary against ``model.vocab_size``.
+    Synthetic data is checked by arithmetic (building it takes a while). DataError / ConfigError, one line."""
+    from megashard.data.corpus import read_meta
+    from megashard.data.samples import Split
+
+    d, m = job.data, job.model
+    if d.source == "synthetic":
+        Split(d.num_sequences, d.valid_fraction, 0, name=f"synthetic data (data.num_sequences={d.num_sequences})")
+        return
+    samples = build_samples(d, m, job.parallel.seed + d.seed)
+    for src in samples.sources:
+        stream = src.stream
+        dtype = getattr(stream, "dtype", None)
+        if dtype is None or read_meta(src.name) is not None or stream.num_tokens == 0:
+            continue
+        item = torch.empty((), dtype=dtype).element_size()
+        top = torch.iinfo(dtype).max if not dtype.is_floating_point else None
+        if top is None or top < m.vocab_size or stream.num_tokens * item > SCAN_BYTES:
+            continue  # every id fits, or too large to scan here (checked as it is read)
+        step = 1 << 22
+        for start in range(0, stream.num_tokens, step):
+            part = stream.read(start, min(step, stream.num_tokens - start))
+            hi = int(part.max())
+            if hi >= m.vocab_size or int(part.min()) < 0:
+                at = start + int(torch.nonzero((part >= m.vocab_size) | (part < 0))[0])
+                raise ConfigError(f"{src.name}: token id {int(stream.read(at, 1))} at token {at:,} is outside "
+                                  f"model.vocab_size={m.vocab_size} (the dataset records no vocabulary); raise "
+                                  "model.vocab_size to the tokenizer's vocabulary, or check data.flat_dtype="
+                                  f"{d.flat_dtype}")
 
 
 def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:

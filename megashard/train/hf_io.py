@@ -5,7 +5,7 @@
 
 The export reads the checkpoint in one process through megashard's verified reader
 (:func:`megashard.train.checkpointing.read_full_model`: every byte checked against the checksums recorded at save
-time, any saved layout), maps the tensors with the table of :mod:`megashard.train.hf` and writes safetensors shards
+time, any saved layout), maps the tensors with the table of :mod:`megashard.models.hf` and writes safetensors shards
 of at most ``max_shard_bytes`` (plus ``model.safetensors.index.json`` when there is more than one) and
 ``config.json``. The model config is the one the checkpoint records (``megashard.json``: the job's config).
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megashard.errors import CheckpointError, ConfigError, require_extra
-from megashard.train.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
+from megashard.models.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
@@ -72,12 +72,18 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
     from megashard.checkpoint import safety
     from megashard.train.checkpointing import read_full_model
 
+    from megashard.outputs import check_output_dir
+
     if max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
-    out = os.path.abspath(out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise CheckpointError(f"{out} exists and is not an empty directory; pass --force to replace it")
     ckpt = os.path.abspath(safety.resolve_checkpoint(path))
+    # A file, a path under a file, an unwritable place, or a directory holding (or inside) the checkpoint that
+    # --force would replace: refused before anything is read.
+    check_output_dir("OUT", out, reads=[ckpt])
+    check_output_dir("OUT", out + ".tmp-export", reads=[ckpt])
+    out = os.path.abspath(out)
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise CheckpointError(f"{out} exists and is not an empty directory; pass --force to replace it")
     job = job_of_checkpoint(ckpt, config_path)
     entries = mapping(job.model, job.ffn_hidden)
     tensors = to_hf(read_full_model(ckpt), entries)
@@ -97,19 +103,29 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
     tmp = out + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    mode = _file_mode()
     for fname, names in zip(files, shards):
         save_file({k: tensors[k] for k in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
+        os.chmod(os.path.join(tmp, fname), mode)  # safetensors writes 0600; the directory is meant to be shared
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if n > 1:
         _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total},
                                                "weight_map": {k: f for f, names in zip(files, shards) for k in names}})
     _write_json(os.path.join(tmp, "config.json"), hf_config(job.model, job.ffn_hidden, dtype))
-    _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False, "max_length": job.model.seq_len})
+    # No max_length: generate(max_new_tokens=...) would warn that both are set (config.json holds the context).
+    _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False})
     if os.path.exists(out):
         shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
     os.replace(tmp, out)
     return {"path": ckpt, "out": out, "arch": job.model.arch, "class": HF_ARCH[job.model.arch][0],
             "tensors": len(tensors), "bytes": total, "shards": n}
+
+
+def _file_mode() -> int:
+    """The mode a new file gets here (0666 less the umask), as for the JSON files written with open()."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _write_json(path: str, doc: dict) -> None:
@@ -203,7 +219,7 @@ def load_init_from(model: torch.nn.Module, job: "JobConfig", state: "ParallelSta
     from safetensors import safe_open
 
     from megashard._compat import torch_compute_local_shape_and_global_offset
-    from megashard.train.parallelize import global_dtensor, local_tensor
+    from megashard.models.parallelize import global_dtensor, local_tensor
 
     root = job.model.init_from
     entries = {e.name: e for e in mapping(job.model, job.ffn_hidden)}

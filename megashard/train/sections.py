@@ -151,13 +151,14 @@ class DataConfig:
     ``PREFIX.idx``, e.g. from ``megashard data prepare``) or a flat token file; the same as ``blend: [[1.0, path]]``.
     Relative to the current directory."""
     blend: Optional[list] = None
-    """``indexed``: datasets mixed by weight, ``[[weight, path], ...]`` (weights > 0, normalised). When given it replaces
+    """``indexed``: datasets mixed by weight, ``[[weight, path], ...]`` (finite weights > 0, normalised; each at least
+    1/65,536 of the total, or its dataset would never be drawn). When given it replaces
     ``path`` (and ``prepare_inputs``). On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
     flat_dtype: str = "uint16"
     """``indexed``: token dtype of flat token files (paths without an ``.idx``): uint8, uint16, int32, ..."""
     valid_fraction: float = 0.0
     """Share of every dataset's samples held out for validation (a seeded choice, disjoint from training), in [0, 1)."""
-    prepare_inputs: Optional[list] = None
+    prepare_inputs: Optional[list[str]] = None
     """``indexed`` with ``path``: inputs of ``megashard data prepare`` (files, directories, globs; ``{stdlib}`` = the
     Python standard library) that ``megashard run`` tokenizes into ``path`` first if no corpus is there yet."""
     prepare_tokenizer: str = "byte"
@@ -249,26 +250,39 @@ def _check_type(cls: type, section: str, name: str, value: Any, key: Optional[st
         raise ConfigError(f"{where}=null is not allowed; give a {base.__name__}")
     if base is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r} must be true or false")
+            raise ConfigError(f"{where}={_short(value)} must be true or false")
         return value
     if base is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}={value!r} must be an integer")
+            raise ConfigError(f"{where}={_short(value)} must be an integer")
         return value
     if base is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"{where}={value!r} must be a number") from None
+                raise ConfigError(f"{where}={_short(value)} must be a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}={value!r} must be a number")
+            raise ConfigError(f"{where}={_short(value)} must be a number")
         return float(value)
     if base is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}={value!r} must be a string")
+            raise ConfigError(f"{where}={_short(value)} must be a string")
+        return value
+    if base is list or typing.get_origin(base) is list:
+        item = (typing.get_args(base) or (None,))[0]
+        if not isinstance(value, list) or (item is not None and not all(isinstance(v, item) for v in value)):
+            what = {str: "a list of strings", int: "a list of integers", None: "a list"}.get(item, "a list")
+            raise ConfigError(f"{where}={_short(value)} must be {what} such as [a, b] (on the command line: "
+                              f"{where}=[a,b]){', or null' if optional else ''}")
         return value
     return value  # pragma: no cover - no other field types
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a message stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def section_from_dict(cls: type, data: Optional[Mapping[str, Any]], section: str) -> Any:

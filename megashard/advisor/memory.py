@@ -1,0 +1,261 @@
+"""Peak memory per rank of the example job in one layout: plain arithmetic over :class:`~megashard.advisor.shape.JobShape`.
+
+    est = estimate_memory(shape, sizes, recompute=False)
+    est.peak, est.parts, est.phase, est.rank     # bytes; the largest rank's breakdown; where its peak is
+
+It counts what ``megashard run`` really keeps (docs/advisor.md has every formula):
+
+- **state**: fp32 (or float64) master parameters, their gradients and AdamW's two moments, each FSDP-sharded:
+  dense tensors over ``dp_shard · cp`` (HSDP replicas over ``dp_outer`` hold the same shards), experts over
+  ``expt_dp / dp_outer``; FSDP2 splits dim 0 into ceil(dim0 / n) rows, so a rank holds rank 0's (largest) share;
+- **gathered**: the unsharded parameters FSDP2 all-gathers in the compute dtype — the root module (embeddings,
+  head) for the whole forward and backward, one block (plus the next, prefetched) at a time; a pipeline stage keeps
+  all of its blocks gathered for the step (``train.reshard_between_microbatches: false``), and gradient accumulation
+  (pipeline or ``train.microbatches > 1``) keeps every unsharded gradient until the last microbatch;
+- **activations**: the tensors each block saves for backward (:func:`block_activation`), per microbatch, times the
+  microbatches in flight (1 without a pipeline; ``pp - r`` on pipeline rank r under 1F1B, all under GPipe, the
+  warm-up depth under interleaved schedules); with ``model.recompute`` only each block's input plus one block;
+- **logits**: the vocabulary-parallel cross entropy's softmax, its gradient and a scratch copy (3 · tokens · vocab/tp
+  floats at the start of backward);
+- **transients**: the optimizer step's scratch copy (foreach AdamW's ``sqrt(v)``: one fp32 copy of the shard),
+  the pipeline's receive buffers, the synthetic data.
+
+The peak is the largest of three phases: the end of forward / start of backward, the backward of each block, and
+the optimizer step (:func:`estimate_memory`). No torch import, no process.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from megashard.advisor.shape import JobShape, block_params, numel, root_params, sharded_numel
+
+#: Bytes of an fp32 scalar the CPU kernels keep per token (LayerNorm mean / rstd, log-sum-exp …).
+F32 = 4
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak bytes of the largest rank and what they are made of."""
+
+    peak: int
+    rank: int
+    """Pipeline rank whose peak is largest (0 without a pipeline)."""
+    phase: str
+    """Where that peak is: ``forward end``, ``backward block i``, ``optimizer step``."""
+    parts: dict[str, int] = field(default_factory=dict)
+    """Bytes by kind at the peak: params, grads, optimizer, gathered, activations, logits, transient, data."""
+    activation_per_block: int = 0
+    """Bytes the rank's first block saves for one microbatch without recompute."""
+    activation_kept_per_block: int = 0
+    """What it keeps between forward and backward in this layout (with recompute: its input only)."""
+    inflight: int = 1
+    """Microbatches whose activations one rank holds at once (pipeline rank ``rank``)."""
+    largest_moe_shard: int = 0
+    """Bytes of one MoE block's expert parameters on this rank after ep / expt_tp / FSDP (0 without experts)."""
+
+
+def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1,
+                     seq_local: int | None = None) -> int:
+    """Bytes one block saves for backward for ``t`` tokens on this rank (``[b, s/cp]`` flattened).
+
+    ``gpt``: block input, LayerNorm outputs (2 · t·h) and their mean/rstd, the input of the second LayerNorm (t·h),
+    the fused QKV output (3 · t·h/tp: q, k, v are views of it), attention output (t·h/tp; SDPA returns it in the
+    projection's layout), attention log-sum-exp (t · heads/tp, fp32), fc1 and GELU outputs (2 · t·ffn/tp).
+    ``llama``: RMSNorm keeps its input, normalised input and output (t·h each; under bf16 an fp32 copy instead of the
+    input), SDPA the rotated q and k (2 · t·h/tp) besides v's QKV storage, the cos / sin tables cast per call, SwiGLU
+    four t·ffn/tp tensors. MoE blocks replace the
+    MLP by the router's probabilities and, per routed (token, expert) pair, the expert's input, output and hidden
+    activations (pairs = t·top_k/tp, spread evenly over the ep ranks).
+    """
+    e = s.act_bytes
+    h, a = s.hidden, s.heads // tp
+    gpt = s.arch == "gpt"
+    upcast = not gpt and e != F32  # RMSNorm computes in fp32: it keeps the fp32 copy, not the bf16 input
+    norm_in = 0 if upcast else t * h * e  # the norm's input (the residual stream), kept by the norm
+    if gpt:
+        norm = t * h * e + 2 * t * F32
+    else:
+        norm = 2 * t * h * e + t * F32 + (t * h * F32 if upcast else 0)
+    attn = (3 + 1) * t * h // tp * e + t * a * F32  # qkv; SDPA output (its [b, s, heads, d] layout: no copy)
+    if not gpt:  # rotated q and k (SDPA's inputs) and the cos / sin tables cast to the dtype, twice
+        attn += 2 * t * h // tp * e + 4 * (seq_local or s.seq) * (h // s.heads) * e
+    out = norm_in + norm + attn + norm_in + norm  # ln1 (input, output), attention, ln2 (input, output)
+    if moe:
+        f = s.ffn // expt_tp
+        pairs = t * s.top_k // tp * expt_tp  # the expt_tp group runs its ranks' tokens together
+        hidden_acts = 2 if gpt else 4
+        out += t * s.num_experts * e + t * s.top_k * (8 + 2 * e)  # router softmax, top-k ids and gates
+        out += pairs * ((2 * h + hidden_acts * f) * e + 3 * 8)  # expert input, output, hidden; index tensors
+        if ep > 1:
+            out += pairs * h * e  # outputs sent back, kept by the gate multiply
+    else:
+        f = s.ffn // tp
+        out += (2 if gpt else 4) * t * f * e
+    return out
+
+
+def head_activation(s: JobShape, t: int, tp: int) -> tuple[int, int]:
+    """``(saved, backward_peak_extra)`` bytes of the last stage's final norm, head and loss for ``t`` tokens.
+
+    Saved: the last block's output, the final norm's tensors and the softmax (fp32, t · vocab/tp). At the start of
+    backward its gradient and a one-hot (or nll) scratch tensor of the same size join it, and a bf16 copy of the
+    gradient under bf16.
+    """
+    e, h, V = s.act_bytes, s.hidden, s.vocab // tp
+    upcast = s.arch != "gpt" and e != F32
+    norm = t * h * e + 2 * t * F32 if s.arch == "gpt" else 2 * t * h * e + t * F32 + (t * h * F32 if upcast else 0)
+    logits = t * V * F32
+    saved = (0 if upcast else t * h * e) + norm + logits + t * 9  # + target ids and the out-of-range mask (tp > 1)
+    extra = 2 * t * V * F32 + (t * V * e if e != F32 else 0)
+    return saved, extra
+
+
+def inflight_microbatches(s: JobShape, pp: int, vpp: int, r: int, mb: int) -> float:
+    """Microbatches whose activations pipeline rank r holds at once, in units of all of its stages' activations
+    for one microbatch (a fraction under interleaved schedules, where each unit is one virtual stage's)."""
+    if pp == 1:
+        return 1
+    sched = s.schedule
+    if sched == "gpipe":
+        return mb
+    if sched == "1f1b":
+        return min(mb, pp - r)
+    # interleaved_1f1b / zbv: PyTorch's warm-up depth (vpp - 1) · mb_per_round + 2 · (pp - 1 - r) virtual-stage
+    # forwards, plus the one in flight; each holds one of the rank's vpp stages
+    per_round = mb // max(1, mb // pp)
+    return min(mb * vpp, (vpp - 1) * per_round + 2 * (pp - 1 - r) + 1) / vpp
+
+
+def _stages_of(s: JobShape, pp: int, vpp: int, r: int) -> list[tuple[bool, bool, list[int]]]:
+    from megashard.models.stages import stage_specs  # pure Python (no torch)
+
+    if pp == 1:
+        return [(True, True, list(range(s.layers)))]
+    return [(st.is_first, st.is_last, list(st.layers)) for st in stage_specs(s.layers, r, pp, vpp, s.schedule)]
+
+
+def estimate_memory(s: JobShape, sz: Any, recompute: bool = False, distribute_saved: bool = False) -> MemoryEstimate:
+    """Peak bytes per rank of ``s`` in the layout ``sz`` (a :class:`~megashard.config.ResolvedSizes` or anything with
+    tp, cp, pp, vpp, dp, dp_outer, dp_shard, ep, expt_tp, expt_dp), for every pipeline rank; the largest wins."""
+    best: MemoryEstimate | None = None
+    pp, vpp = sz.pp, (sz.vpp or 1)
+    ranks = range(pp) if pp <= 16 else sorted({0, 1, pp // 2, pp - 2, pp - 1})
+    for r in ranks:
+        est = _estimate_rank(s, sz, r, recompute, distribute_saved)
+        if best is None or est.peak > best.peak:
+            best = est
+    assert best is not None
+    return best
+
+
+def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_saved: bool) -> MemoryEstimate:
+    tp, cp, pp, vpp = sz.tp, sz.cp, sz.pp, (sz.vpp or 1)
+    ep, etp = sz.ep, sz.expt_tp
+    n_dense = sz.dp_shard * cp  # FSDP shard group of dense parameters
+    n_expert = max(1, sz.expt_dp // sz.dp_outer)  # expert FSDP shard group (inside an HSDP replica)
+    pb, e = s.param_bytes, s.act_bytes
+    mb = s.mb(pp)
+    b_micro = s.global_batch // (sz.dp * mb)
+    t = b_micro * s.seq // cp  # tokens per microbatch on this rank
+
+    stages = _stages_of(s, pp, vpp, r)
+    dense: list[tuple[int, int]] = []
+    expert: list[tuple[int, int]] = []
+    blocks: list[tuple[int, int]] = []  # (unsharded dense numel, unsharded expert numel) per block, forward order
+    acts: list[int] = []  # bytes saved per block per microbatch
+    moe_shard = 0
+    first = any(st[0] for st in stages)
+    last = any(st[1] for st in stages)
+    root = []
+    for is_first, is_last, layers in stages:
+        root += root_params(s, tp, is_first, is_last)
+        for i in layers:
+            moe = s.is_moe(i)
+            d, x = block_params(s, tp, moe, ep, etp)
+            dense += d
+            expert += x
+            blocks.append((numel(d), numel(x)))
+            acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp))
+            if x:
+                moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
+    dense += root
+    shard = sharded_numel(dense, n_dense) + sharded_numel(expert, n_expert)
+    n_tensors = len(dense) + len(expert)
+    params = shard * pb
+    grads = shard * pb
+    optim = 2 * shard * pb + n_tensors * F32  # exp_avg, exp_avg_sq, and a step counter per tensor
+    data = s.synthetic_sequences * (s.seq + 1) * 8
+    ce = e  # the dtype FSDP gathers parameters in (bf16 under mixed precision, else the master dtype)
+    root_u = numel(root) * ce
+    head_saved, head_extra = head_activation(s, t, tp) if last else (0, 0)
+    embed_saved = t * 8 if first else 0  # the embedding keeps the token ids
+
+    if recompute:
+        kept = [t * s.hidden * e // (tp if distribute_saved and pp == 1 else 1) for _ in acts]
+        rerun = max(acts) if acts else 0  # one block recomputed at a time in backward
+    else:
+        kept, rerun = acts, 0
+    per_mb = sum(kept) + head_saved + embed_saved
+    inflight = inflight_microbatches(s, pp, vpp, r, mb)
+    if pp > 1:
+        # Non-first stages receive their input into a buffer per microbatch (the first block's saved input) and
+        # non-last ones a gradient buffer per microbatch; a non-last stage keeps its output for backward.
+        bufs = (0 if first else mb * t * s.hidden * e) + (0 if last else mb * t * s.hidden * e)
+        per_mb += (0 if last else t * s.hidden * e) - (0 if first else t * s.hidden * e)
+    else:
+        bufs = 0
+    act_total = int(per_mb * inflight)
+
+    state = params + optim + data
+    phases: dict[str, tuple[int, dict[str, int]]] = {}
+    # optimizer step: gradients and one scratch copy of the shard (foreach sqrt of exp_avg_sq)
+    phases["optimizer step"] = (state + grads + shard * pb + bufs,
+                                {"grads": grads, "transient": shard * pb + bufs})
+    block_u = [(d + x) * ce for d, x in blocks]
+    block_g = [(d + x) * max(ce, 4 if ce == 2 else ce) for d, x in blocks]  # grads reduced in fp32 under bf16
+    accumulate = pp > 1 or mb > 1  # unsharded gradients kept until the last microbatch
+    gathered_all = pp > 1 and not s.reshard_between_microbatches
+    all_u = sum(block_u) + root_u
+    # the start of a block's backward: its output's gradient, the MLP's hidden gradients, the last weight's gradient
+    f_loc = s.ffn // (etp if any(x for _, x in blocks) else tp)
+    start_bwd = (t * s.hidden + 2 * t * f_loc) * e + s.hidden * f_loc * pb
+    # end of forward / start of backward: every saved activation plus the loss's gradients (blocks resharded)
+    g_fwd = all_u if gathered_all else root_u
+    phases["forward end"] = (state + g_fwd + act_total + head_extra + bufs,
+                             {"gathered": g_fwd, "activations": act_total, "logits": head_extra, "transient": bufs})
+    # backward of block i (last to first): at its start every earlier activation is alive; at its end its unsharded
+    # gradients and the reduce-scatter's copy of them (later blocks' gradients are sharded already)
+    head_g = (numel(root_params(s, tp, False, True)) if last else 0) * pb  # final norm and head: first gradients
+    done_grads = 0
+    n = len(blocks)
+    for i in range(n - 1, -1, -1):
+        if gathered_all:
+            g = all_u
+        else:
+            g = root_u + block_u[i] + (block_u[i - 1] if i > 0 else 0)  # this block and the prefetched next
+        before = int((per_mb - sum(kept[i + 1:]) - head_saved) * inflight) + rerun  # activations of blocks <= i
+        after = int((per_mb - sum(kept[i:]) - head_saved) * inflight)
+        if accumulate:
+            grads_start = grads_end = sum(block_g) + head_g  # every unsharded gradient until the last microbatch
+        else:
+            grads_start = head_g + done_grads
+            grads_end = head_g + done_grads + 2 * block_g[i]
+        a_total = state + g + before + start_bwd + grads_start + bufs
+        b_total = state + g + after + grads_end + bufs
+        if a_total >= b_total:
+            phases[f"backward block {i}"] = (a_total, {"gathered": g, "activations": before + start_bwd,
+                                                       "grads": grads_start, "transient": bufs})
+        else:
+            phases[f"backward block {i} (reduce-scatter)"] = (b_total, {"gathered": g, "activations": after,
+                                                                        "grads": grads_end, "transient": bufs})
+        done_grads += -(-block_g[i] // max(1, n_dense))
+    phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
+    full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
+            "transient": 0, "data": data}
+    full.update(parts)
+    return MemoryEstimate(peak=int(peak), rank=r, phase=phase, parts=full,
+                          activation_per_block=(acts[0] if acts else 0),
+                          activation_kept_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
+                          largest_moe_shard=moe_shard)

@@ -1,0 +1,211 @@
+"""``megashard plan --suggest``: every layout of a job for a world, checked as ``megashard run`` checks it, ranked.
+
+    result = suggest(job, world_size=64, device_memory=80 * 2**30, ranks_per_node=8)
+    result.ranked[0]          # the fastest layout that fits: Candidate(sizes, recompute, microbatches, memory, cost)
+    result.rejected           # [(Candidate-like description, one-line reason)], the config's own rule or the memory
+
+Candidates (:func:`candidates`): tp and cp inside a node (tp · cp ≤ ranks per node, tp dividing heads), every pp that
+divides the rest with at least one block per stage, vpp 1 or 2 (interleaved 1F1B), every dp_outer dividing dp, ep
+dividing the experts, expt_tp inside a node, recompute off / on, and a few microbatch counts (1, 2, 4 · pp …). Each is
+validated by :meth:`ParallelConfig.resolve` and :meth:`JobConfig.validate` — the checks ``megashard run`` makes —
+so a suggestion never fails at start-up; then its memory (:mod:`megashard.advisor.memory`) is compared with the
+device's and its step time estimated (:mod:`megashard.advisor.cost`). Pure arithmetic: no torch, no process.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from megashard.advisor.cost import Hardware, StepCost, estimate_step
+from megashard.advisor.memory import MemoryEstimate, estimate_memory
+from megashard.advisor.shape import JobShape, default_ffn
+from megashard.errors import ConfigError
+
+
+@dataclass
+class Candidate:
+    """One layout with its recompute and microbatch choice, and (when valid) its estimates."""
+
+    sizes: dict[str, Any]
+    """tp, cp, pp, vpp, dp_outer, dp_shard, ep, expt_tp (the ParallelConfig fields set)."""
+    recompute: bool
+    microbatches: int
+    schedule: str
+    resolved: Any = None
+    memory: Optional[MemoryEstimate] = None
+    cost: Optional[StepCost] = None
+
+    def label(self) -> str:
+        """``tp=2 cp=1 pp=4 vpp=2 dp_outer=1 dp_shard=8 ep=1 expt_tp=1 recompute=off mb=8``."""
+        s = self.sizes
+        parts = [f"{k}={s[k]}" for k in ("tp", "cp", "pp")]
+        if s.get("vpp"):
+            parts.append(f"vpp={s['vpp']}")
+        parts += [f"dp_outer={s['dp_outer']}", f"dp_shard={s['dp_shard']}"]
+        parts += [f"{k}={s[k]}" for k in ("ep", "expt_tp") if s[k] != 1]
+        parts.append(f"recompute={'on' if self.recompute else 'off'}")
+        parts.append(f"mb={self.microbatches}")
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` overrides that make the job run this layout (``megashard run CONFIG ...``)."""
+        s = self.sizes
+        out = [f"parallel.{k}={s[k]}" for k in ("tp", "cp", "pp", "dp_outer", "dp_shard", "ep", "expt_tp")]
+        out.append(f"parallel.vpp={s['vpp'] if s.get('vpp') else 'null'}")
+        out += ["parallel.dp=-1", "parallel.expt_dp=-1", f"model.recompute={str(self.recompute).lower()}",
+                f"train.microbatches={self.microbatches}"]
+        if s["pp"] > 1:
+            out.append(f"train.pipeline_schedule={self.schedule}")
+        return out
+
+
+@dataclass
+class Suggestion:
+    """What :func:`suggest` found."""
+
+    world_size: int
+    device_memory: int
+    ranks_per_node: int
+    hardware: Hardware
+    ranked: list[Candidate] = field(default_factory=list)
+    """Valid layouts that fit, fastest first."""
+    too_big: list[Candidate] = field(default_factory=list)
+    """Valid layouts that do not fit the device memory, smallest first."""
+    rejected: list[tuple[Candidate, str]] = field(default_factory=list)
+    """Layouts the config's rules refuse, with the rule's one-line message."""
+    considered: int = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n <= 1 << 16 else [d for d in range(1, 1 << 16) if n % d == 0]
+
+
+def candidates(shape: JobShape, world_size: int, ranks_per_node: int, job_schedule: str) -> Iterator[Candidate]:
+    """Every layout the advisor considers for ``world_size`` ranks (see the module docstring)."""
+    W, G = world_size, ranks_per_node
+    for tp in _divisors(W):
+        if tp > G:
+            break
+        for cp in _divisors(W // tp):
+            if tp * cp > G:
+                break
+            rest = W // (tp * cp)
+            for pp in _divisors(rest):
+                if pp > shape.layers:
+                    break
+                dp = rest // pp
+                vpps: list[Optional[int]] = [None]
+                if pp > 1 and shape.layers >= 2 * pp:
+                    vpps.append(2)
+                for vpp in vpps:
+                    if pp == 1:
+                        schedule = "1f1b"
+                    elif vpp:
+                        schedule = "interleaved_1f1b" if job_schedule != "zbv" else "zbv"
+                    else:
+                        schedule = job_schedule if job_schedule in ("1f1b", "gpipe") else "1f1b"
+                    for mbs in _microbatches(shape, dp, pp):
+                        for dp_outer in _divisors(dp):
+                            for ep in (_divisors(shape.num_experts) if shape.num_experts else [1]):
+                                if ep > tp * cp * dp:
+                                    break
+                                for etp in ([d for d in _divisors(shape.ffn) if d <= G] if shape.num_experts else [1]):
+                                    if ep * etp > tp * cp * dp:
+                                        break
+                                    for recompute in (False, True):
+                                        sizes = {"tp": tp, "cp": cp, "pp": pp, "vpp": vpp, "dp_outer": dp_outer,
+                                                 "dp_shard": dp // dp_outer, "ep": ep, "expt_tp": etp}
+                                        yield Candidate(sizes, recompute, mbs, schedule)
+
+
+def _microbatches(shape: JobShape, dp: int, pp: int) -> list[int]:
+    """Microbatch counts tried: 1, 2, 4 without a pipeline; pp, 2·pp, 4·pp with one (those dividing batch/dp)."""
+    if shape.global_batch % dp:
+        return [1 if pp == 1 else pp]  # refused by the config's rule; one candidate says why
+    per_rank = shape.global_batch // dp
+    base = [1, 2, 4] if pp == 1 else [pp, 2 * pp, 4 * pp]
+    out = [m for m in base if per_rank % m == 0]
+    return out or [base[0]]
+
+
+class _Validator:
+    """The job's own rules for one candidate: ParallelConfig (world-independent), resolve (world), JobConfig.validate
+    (the model, batch and pipeline against the sizes). Per-candidate copies leave out what reads files (data corpus,
+    checkpoint, init_from), which is checked once on the job itself by :meth:`check_files`."""
+
+    def __init__(self, job: Any, world_size: int) -> None:
+        self.job, self.world_size = job, world_size
+        base = copy.copy(job)
+        ffn = job.model.ffn_hidden or default_ffn(job.model.arch, job.model.hidden)
+        base.model = dataclasses.replace(job.model, ffn_hidden=ffn, init_from=None)  # no torch import, no files
+        base.data = dataclasses.replace(job.data, source="synthetic", path=None, blend=None, prepare_inputs=None)
+        base.checkpoint = dataclasses.replace(job.checkpoint, load_step=None, load_path=None)
+        base.train = dataclasses.replace(job.train, fail_at_step=None)
+        self.base = base
+        self._files_checked: dict[int, Optional[str]] = {}
+
+    def resolve(self, c: Candidate) -> Any:
+        """The candidate's ResolvedSizes; ConfigError with the rule's message when the job refuses it."""
+        from megashard.config import ParallelConfig
+
+        p = self.job.parallel
+        pc = ParallelConfig(**c.sizes, dp=-1, expt_dp=-1, order=p.order, backend=p.backend, device=p.device,
+                            timeout=p.timeout, seed=p.seed, create_gloo_process_groups=p.create_gloo_process_groups)
+        job = copy.copy(self.base)
+        job.parallel = pc
+        job.model = dataclasses.replace(self.base.model, recompute=c.recompute,
+                                        distribute_saved_activations=self.base.model.distribute_saved_activations
+                                        and c.recompute and c.sizes["pp"] == 1)
+        job.train = dataclasses.replace(self.base.train, microbatches=c.microbatches, pipeline_schedule=c.schedule)
+        sizes = pc.resolve(self.world_size)
+        return job.validate(sizes=sizes)
+
+    def check_files(self, tp: int) -> Optional[str]:
+        """The data / checkpoint checks that read files, once per tp (the corpus's vocabulary is padded to tp)."""
+        if tp not in self._files_checked:
+            from megashard.config import ParallelConfig
+
+            job = copy.copy(self.job)
+            job.model = self.base.model
+            job.parallel = ParallelConfig(tp=tp, dp=-1, dp_shard=-1)
+            try:
+                if job.data.source == "indexed":
+                    from megashard.train.data import check_corpus
+
+                    check_corpus(job, tp)
+                job.requested_checkpoint()
+                self._files_checked[tp] = None
+            except ConfigError as e:
+                self._files_checked[tp] = str(e)
+        return self._files_checked[tp]
+
+
+def suggest(job: Any, world_size: int, device_memory: int, ranks_per_node: int = 8,
+            hardware: Optional[Hardware] = None, shape: Optional[JobShape] = None) -> Suggestion:
+    """Every candidate layout of ``job`` for ``world_size`` ranks, validated, sized and timed (see the module
+    docstring). ``device_memory``: bytes per device a rank may use. ``shape``: the job's numbers (default: read from
+    ``job``)."""
+    hw = hardware or Hardware()
+    shape = shape or JobShape.from_job(job)
+    v = _Validator(job, world_size)
+    out = Suggestion(world_size, device_memory, ranks_per_node, hw)
+    for c in candidates(shape, world_size, ranks_per_node, job.train.pipeline_schedule):
+        out.considered += 1
+        try:
+            c.resolved = v.resolve(c)
+        except ConfigError as e:
+            out.rejected.append((c, str(e)))
+            continue
+        problem = v.check_files(c.sizes["tp"])
+        if problem:
+            out.rejected.append((c, problem))
+            continue
+        cs = dataclasses.replace(shape, microbatches=c.microbatches, schedule=c.schedule)
+        c.memory = estimate_memory(cs, c.resolved, c.recompute, job.model.distribute_saved_activations and c.recompute)
+        c.cost = estimate_step(cs, c.resolved, hw, ranks_per_node, c.recompute)
+        (out.ranked if c.memory.peak <= device_memory else out.too_big).append(c)
+    out.ranked.sort(key=lambda c: (c.cost.seconds, c.memory.peak))
+    out.too_big.sort(key=lambda c: c.memory.peak)
+    return out

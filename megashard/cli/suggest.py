@@ -1,0 +1,138 @@
+"""``megashard plan CONFIG --suggest --world-size N --device-memory 80GiB``: the layouts that fit, fastest first.
+
+The options are checked first (one line each), then the job is read once as ``megashard plan`` reads it (every
+section checked), then :func:`megashard.advisor.search.suggest` enumerates, validates, sizes and times the layouts;
+the report is :mod:`megashard.advisor.report` (table or JSON) and, with ``--svg``, the plan picture of the best layout
+(:mod:`megashard.layout.plan_svg`). No torch import, no process.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from megashard.errors import ConfigError
+
+#: Options that only ``--suggest`` reads: (flag, dest, type, default, help).
+_HW_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--tflops", "tflops", float, "peak bf16 TFLOP/s per device (default 989, H100 SXM)"),
+    ("--mfu", "mfu", float, "share of the peak a step sustains (default 0.45)"),
+    ("--intra-gbps", "intra_gbps", float, "collective bandwidth inside a node, GB/s per rank (default 360)"),
+    ("--inter-gbps", "inter_gbps", float, "collective bandwidth across nodes, GB/s per rank (default 40)"),
+    ("--latency-us", "latency_us", float, "fixed cost of one collective, µs (default 10)"),
+)
+
+
+def add_suggest_options(p: argparse.ArgumentParser) -> None:
+    """The ``--suggest`` option group of ``megashard plan``."""
+    g = p.add_argument_group(
+        "layout advisor (--suggest)",
+        "list every layout of CONFIG's job for --world-size ranks that `megashard run` accepts and that fits "
+        "--device-memory, fastest first by a roofline estimate (docs/advisor.md); CONFIG may be omitted, then the "
+        "job is the defaults plus key=value overrides such as model.hidden=2048")
+    g.add_argument("--suggest", action="store_true", help="suggest layouts instead of showing one")
+    g.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="memory a rank may use on its device, e.g. 80GiB, 141GB (required with --suggest)")
+    g.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
+    for flag, dest, kind, help_ in _HW_FLAGS:
+        g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
+
+
+def check_not_suggest(args: argparse.Namespace) -> None:
+    """ConfigError for an advisor option given without ``--suggest``."""
+    used = [f for f, d, _, _ in _HW_FLAGS if getattr(args, f"hw_{d}", None) is not None]
+    if args.device_memory is not None:
+        used.insert(0, "--device-memory")
+    if used:
+        raise ConfigError(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --suggest (the layout advisor); add --suggest or drop them")
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    from megashard.advisor.cost import Hardware
+
+    kw = {}
+    for flag, dest, _, _ in _HW_FLAGS:
+        v = getattr(args, f"hw_{dest}")
+        if v is None:
+            continue
+        if not v > 0 or v != v or v == float("inf") or (dest == "mfu" and v > 1):
+            rule = "in (0, 1]" if dest == "mfu" else "a positive number"
+            raise ConfigError(f"{flag} {v}: must be {rule}")
+        kw[dest] = v
+    return Hardware(**kw)
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    """``megashard plan --suggest``."""
+    import os
+
+    from megashard.advisor.report import format_suggestion, parse_bytes, suggestion_dict
+    from megashard.advisor.search import suggest
+    from megashard.cli.options import check_int, check_output_path
+    from megashard.cli.plan import flags_text, size_flags
+    from megashard.config import yamlfile
+
+    flags = size_flags(args)
+    if flags:
+        raise ConfigError(f"{flags_text(flags)}: --suggest chooses the parallel sizes itself; drop the size flags "
+                          "(or plan that layout without --suggest)")
+    for flag, given in (("--rank", args.rank != 0), ("--groups", args.groups is not None),
+                        ("--all-groups", args.all_groups), ("--strict", args.strict)):
+        if given:
+            raise ConfigError(f"{flag} describes one layout's groups; it does not apply with --suggest")
+    if args.device_memory is None:
+        raise ConfigError("--suggest needs --device-memory SIZE, the memory a rank may use (e.g. 80GiB for an H100)")
+    memory = parse_bytes(args.device_memory)
+    if args.world_size is None:
+        raise ConfigError("--suggest needs --world-size N (the number of ranks to lay out)")
+    check_int("--world-size", args.world_size, 1, 1 << 16, note=" (the advisor enumerates layouts of up to 65,536 "
+              "ranks)")
+    check_int("--ranks-per-node", args.ranks_per_node, 1)
+    check_int("--top", args.top, 1)
+    check_int("--svg-max-ranks", args.svg_max_ranks, 1)
+    if args.svg:
+        check_output_path("--svg", args.svg)
+    hw = _hardware(args)
+    if args.config is not None and "=" in args.config and not os.path.exists(args.config):
+        args.overrides, args.config = [args.config, *args.overrides], None  # `plan --suggest model.hidden=2048`
+    from megashard.train.config import JobConfig
+
+    if args.config is None:
+        doc = yamlfile.apply_overrides({}, list(args.overrides))
+        job = JobConfig.from_dict(doc, name="suggest")
+        job.validate_sections()
+    else:
+        doc = yamlfile.load_yaml(args.config)
+        if not isinstance(doc, dict) or "modules" in doc:
+            raise ConfigError(f"{args.config}: --suggest plans one job YAML (model, train and parallel sections), "
+                              "not a multi-module config")
+        doc = yamlfile.apply_overrides(doc, list(args.overrides))
+        job = JobConfig.from_dict(doc, name=os.path.splitext(os.path.basename(args.config))[0])
+        job.validate_sections()
+    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw)
+    source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
+    if args.format == "json":
+        import json
+
+        sys.stdout.write(json.dumps(suggestion_dict(result, args.top, source)) + "\n")
+    else:
+        sys.stdout.write(format_suggestion(result, args.top, source))
+    if args.svg:
+        if not result.ranked:
+            print("megashard plan: no layout fits, so no picture was written", file=sys.stderr)
+            return 1
+        from megashard.layout import RankLayout, locality
+        from megashard.layout.plan_svg import render_svg
+
+        best = result.ranked[0]
+        layout = RankLayout(best.resolved)
+        svg = render_svg(layout, None, 0, args.ranks_per_node, args.svg_max_ranks,
+                         locality(layout, args.ranks_per_node))
+        try:
+            with open(args.svg, "w", encoding="utf-8") as f:
+                f.write(svg)
+        except OSError as e:
+            print(f"megashard plan: cannot write {args.svg}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"megashard plan: wrote {args.svg} (layout #1: {best.label()})", file=sys.stderr)
+    return 0 if result.ranked else 1
