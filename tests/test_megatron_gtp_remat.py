@@ -146,3 +146,27 @@ def test_every_getter_equals_megatron_parallel_state():
 
     equal, total, diffs = compare(mod)
     assert total > 300 and not diffs, diffs[:5]
+
+
+def test_multi_module_pg_collection(fake64):
+    """Megatron's MultiModuleProcessGroupCollection over megashard states (the stand-in: same errors and access)."""
+    import megashard
+    from megashard.state.megatron_multi import MultiModuleProcessGroupCollection, multi_module_pg_collection
+
+    fake64(5)
+    st = megashard.initialize(ParallelConfig(tp=2, cp=4, backend="fake", device="cpu"))
+    try:
+        mm = multi_module_pg_collection({"llm": st}, "llm", megatron=False)
+        assert isinstance(mm, MultiModuleProcessGroupCollection) and mm.has_language_model() and len(mm) == 1
+        assert mm["llm"].tp is st.group("tp") and mm.get_language_model_cp_size() == 4
+        assert list(mm.keys()) == ["llm"] and mm.get_module_collection("llm") is mm["llm"]
+        with pytest.raises(ValueError, match="Module 'vit' not found"):
+            mm.get_module_collection("vit")
+        with pytest.raises(ValueError, match="language_model_module_name 'lm' not found"):
+            multi_module_pg_collection({"llm": st}, "lm", megatron=False)
+        with pytest.raises(ValueError, match="module_pgs dict cannot be empty"):
+            MultiModuleProcessGroupCollection({})
+        with pytest.raises(ValueError, match="No language model"):
+            multi_module_pg_collection({"enc": st}, None, megatron=False).get_language_model_cp_size()
+    finally:
+        megashard.destroy()
