@@ -109,6 +109,7 @@ def test_issue_example_through_the_facade(fake64):
     pgs = ps._st().pg_collection(megatron=False)
     assert R(pgs.gtp_remat) == [0, 2] and R(pgs.dp) == list(range(0, 32, 4))
     assert R(pgs.dp_cp_gtp_remat) == list(range(0, 32, 2)) and R(pgs.tp_dp_cp) == list(range(32))
+    assert pgs.dp_gloo is None and pgs.intra_dp_cp_gloo is None  # gloo off under gtp_remat, as Megatron
     # Megatron switches gloo groups off under gtp_remat; meshes have no gtp_remat axis: both say so.
     with pytest.raises(StateError, match="no gloo groups with gtp_remat=2"):
         ps.get_data_parallel_group_gloo()

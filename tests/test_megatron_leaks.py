@@ -53,6 +53,11 @@ def check_six_cycles_leave_nothing(rank, world_size):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=st.group(name))
             assert t.item() == sum(st.ranks(name)), (kw, name)
+        pgs = st.pg_collection(megatron=False)  # gloo groups through the collection (none under gtp_remat)
+        gtp = kw.get("gtp_remat_size", 1) > 1
+        assert pgs.dp_gloo is (None if gtp else st.group("dp")), kw
+        assert pgs.intra_expt_dp_gloo is (None if gtp else st.group("intra_expt_dp")), kw
+        del pgs  # the collection holds the groups: a caller that keeps it keeps them
         ps.destroy_model_parallel()
         now = (live_process_group_count(), _fds())
         seen.append((during, now))
