@@ -454,3 +454,39 @@ def elastic_agent_gives_up_on(exit_codes: frozenset) -> bool:
 
     launcher_api.LocalElasticAgent = Agent
     return True
+
+
+class _DestroyedGroupName:
+    """Stands in torch's group-name map for a destroyed members-only group (see :func:`destroy_group_keep_name`)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def shutdown(self) -> None:  # torch shuts every named group down when the default group is destroyed
+        return None
+
+
+def destroy_group_keep_name(pg) -> None:
+    """Destroy a members-only process group (its backend, sockets and threads) but keep its name taken.
+
+    torch names a ``use_local_synchronization`` group by a hash of its ranks and of the *number* of named groups
+    (``_hash_ranks_to_str``) and rendezvouses under that name in the default store: a destroyed group's name coming
+    back (same ranks, same count) would read the dead group's store keys and connect to closed sockets. Keeping
+    the count (a placeholder entry under the same name) makes every later name new; the entries go with the
+    default group (``destroy_process_group()`` clears the map)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    name = c10d._world.pg_names.get(pg)
+    dist.destroy_process_group(pg)
+    if name is not None:
+        c10d._world.pg_names[_DestroyedGroupName(name)] = name
+
+
+def live_process_group_count() -> int:
+    """Live process groups of this process (torch's group map, the default group included)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)

@@ -10,18 +10,31 @@ from typing import Optional
 
 from megashard import state as _state
 from megashard.errors import ConfigError
+from megashard.state.megatron_overrides import OVERRIDES as _ov
+from megashard.state.megatron_overrides import set_override as _set_override
 
 
 def _st():
     return _state.get_parallel_state()
 
 
-def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+def _dp_name(with_context_parallel: bool, partial_data_parallel: bool, with_gtp_remat: bool = False) -> str:
+    """The group name of Megatron's data-parallel getters. ``with_gtp_remat`` (Megatron's default): the full
+    data-distribution group (replicate dp · gtp_remat), which is the replicate group itself when gtp_remat is 1."""
+    full = with_gtp_remat and _state.is_initialized() and _st().sizes.gtp_remat > 1
     if partial_data_parallel:
         if not with_context_parallel:
             raise ConfigError("partial_data_parallel=True requires with_context_parallel=True (as in Megatron-LM)")
-        return "intra_dp_cp"
+        return "dp_cp_gtp_remat" if full else "intra_dp_cp"  # gtp_remat > 1 means one optimizer instance
+    if full:
+        return "dp_cp_gtp_remat" if with_context_parallel else "dp_gtp_remat"
     return "dp_cp" if with_context_parallel else "dp"
+
+
+def _expt_dp_name(partial_expert_data_parallel: bool, with_gtp_remat: bool = False) -> str:
+    if with_gtp_remat and _state.is_initialized() and _st().sizes.expt_gtp_remat > 1:
+        return "expt_dp_gtp_remat"
+    return "intra_expt_dp" if partial_expert_data_parallel else "expt_dp"
 
 
 def get_gtp_weight_remat_world_size() -> int:
@@ -34,29 +47,41 @@ def get_gtp_weight_remat_rank() -> int:
 
 # ---------------------------------------------------------------------- sizes and ranks
 def get_tensor_model_parallel_world_size() -> int:
+    if (o := _ov.get("tp_size")) is not None:
+        return o
     return _st().size("tp")
 
 
 def get_tensor_model_parallel_rank() -> int:
+    if (o := _ov.get("tp_rank")) is not None:
+        return o
     return _st().rank_in("tp")
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    if (o := _ov.get("pp_size")) is not None:
+        return o
     return _st().size("pp")
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    if (o := _ov.get("pp_rank")) is not None:
+        return o
     return _st().rank_in("pp")
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                                  partial_data_parallel: bool = False) -> int:
-    return _st().size(_dp_name(with_context_parallel, partial_data_parallel))
+    if (o := _ov.get("dp_size")) is not None:
+        return o
+    return _st().size(_dp_name(with_context_parallel, partial_data_parallel, with_gtp_remat))
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
-    return _st().rank_in(_dp_name(with_context_parallel, partial_data_parallel))
+    if (o := _ov.get("dp_rank")) is not None:
+        return o
+    return _st().rank_in(_dp_name(with_context_parallel, partial_data_parallel, with_gtp_remat))
 
 
 def get_context_parallel_world_size() -> int:
@@ -96,27 +121,35 @@ def get_tensor_and_context_parallel_rank() -> int:
 
 
 def get_expert_model_parallel_world_size() -> int:
+    if (o := _ov.get("ep_size")) is not None:
+        return o
     return _st().size("ep")
 
 
 def get_expert_model_parallel_rank() -> int:
+    if (o := _ov.get("ep_rank")) is not None:
+        return o
     return _st().rank_in("ep")
 
 
 def get_expert_tensor_parallel_world_size() -> int:
+    if (o := _ov.get("expt_tp_size")) is not None:
+        return o
     return _st().size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
+    if (o := _ov.get("expt_tp_rank")) is not None:
+        return o
     return _st().rank_in("expt_tp")
 
 
 def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _st().size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+    return _st().size(_expt_dp_name(partial_expert_data_parallel, with_gtp_remat))
 
 
 def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _st().rank_in("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+    return _st().rank_in(_expt_dp_name(partial_expert_data_parallel, with_gtp_remat))
 
 
 def get_expert_model_parallel_src_rank() -> int:
@@ -180,6 +213,8 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    if "vpp_size" in _ov:
+        return _ov["vpp_size"]
     return _st().sizes.vpp
 
 
@@ -213,3 +248,45 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
 def get_global_memory_buffer():
     """The current state's scratch-memory buffer (:class:`~megashard.state.memory.GlobalMemoryBuffer`)."""
     return _state.current_locals().memory_buffer
+
+
+# ---------------------------------------------------------------------- Megatron's overrides (its unit tests use them)
+# Each getter above returns the value set here until it is set to None or destroy_model_parallel() clears them.
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("tp_size", world_size)
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("tp_rank", rank)
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("pp_size", world_size)
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("pp_rank", rank)
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("vpp_size", world_size)
+
+
+def set_data_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("dp_rank", rank)
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("ep_size", world_size)
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("ep_rank", rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("expt_tp_size", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("expt_tp_rank", rank)

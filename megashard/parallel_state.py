@@ -60,6 +60,17 @@ from megashard.parallel_ranks import (  # noqa: F401 - sizes, ranks and pipeline
     get_virtual_pipeline_model_parallel_world_size,
     get_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_rank,
+    set_tensor_model_parallel_world_size,
+    set_tensor_model_parallel_rank,
+    set_pipeline_model_parallel_world_size,
+    set_pipeline_model_parallel_rank,
+    set_virtual_pipeline_model_parallel_world_size,
+    set_data_parallel_rank,
+    set_expert_model_parallel_world_size,
+    set_expert_model_parallel_rank,
+    set_expert_tensor_parallel_world_size,
+    set_expert_tensor_parallel_rank,
+    _expt_dp_name,
     is_pipeline_first_stage,
     is_pipeline_last_stage,
     get_global_memory_buffer,
@@ -105,8 +116,6 @@ def initialize_model_parallel(
         "use_sharp": (use_sharp, not use_sharp),
         "sharp_enabled_group": (sharp_enabled_group, sharp_enabled_group is None),
         "hybrid_context_parallel": (hybrid_context_parallel, not hybrid_context_parallel),
-        "gtp_remat_size": (gtp_remat_size, gtp_remat_size == 1),
-        "expert_gtp_remat_size": (expert_gtp_remat_size, expert_gtp_remat_size == 1),
         "rank_offset": (rank_offset, rank_offset == 0),
     }
     for name, (value, ok) in unsupported.items():
@@ -123,8 +132,13 @@ def initialize_model_parallel(
         if fn is not None and not callable(fn):
             raise ConfigError(f"initialize_model_parallel: {name}={fn!r} must be a callable (pipeline ranks -> ranks)")
     backend = dist.get_backend()
-    # gtp_remat has size 1 here: its token adds nothing to the order (Megatron injects it after tp anyway).
-    order = "-".join(t for t in order.split("-") if t != "gtp_remat")
+    # Megatron injects gtp_remat right after tp (dense) and after ep (expert), which is where megashard places it.
+    toks = order.split("-")
+    if "gtp_remat" in toks and (gtp_remat_size > 1 or expert_gtp_remat_size > 1) and (
+            toks.index("gtp_remat") == 0 or toks[toks.index("gtp_remat") - 1] != "tp"):
+        raise ConfigError(f"initialize_model_parallel: order={order!r} places gtp_remat elsewhere than right after tp; "
+                          "megashard places it there (Megatron's default): leave gtp_remat out of order")
+    order = "-".join(t for t in toks if t != "gtp_remat")
     cfg = ParallelConfig.from_dict(
         dict(
             tp=tensor_model_parallel_size,
@@ -134,6 +148,8 @@ def initialize_model_parallel(
             ep=expert_model_parallel_size,
             expt_tp=tensor_model_parallel_size if expert_tensor_parallel_size is None else expert_tensor_parallel_size,
             dp_outer=num_distributed_optimizer_instances,
+            gtp_remat=gtp_remat_size,
+            expt_gtp_remat=expert_gtp_remat_size,
             order=order,
             timeout=float(distributed_timeout_minutes) * 60.0,
             backend=backend if backend in ("gloo", "nccl", "fake") else "auto",
@@ -159,8 +175,20 @@ def is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy every group, mesh, RNG tracker and buffer megashard created; re-initialising works afterwards."""
+    """Destroy every group, mesh, RNG tracker and buffer megashard created, and Megatron's ``set_*`` overrides;
+    re-initialising works afterwards. Unlike ``megashard.destroy()`` the communicators are destroyed too (as
+    Megatron-LM's), except those another live ParallelState uses: no process group or socket is left behind."""
+    from megashard.state.megatron_overrides import clear
+    from megashard.state.pool import release_idle_groups
+
+    if _state.is_initialized():
+        getattr(_st(), "all_gather_groups", {}).clear()
     _state.destroy()
+    clear()
+    # Megatron's semantics: the groups go too (megashard.destroy() keeps them pooled for a fast re-initialisation);
+    # groups a still-live ParallelState uses stay.
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        release_idle_groups()
 
 
 
@@ -185,14 +213,24 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True):
 def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                             partial_data_parallel: bool = False):
     """The data-parallel group (``with_context_parallel``: dp·cp; ``partial_data_parallel``: the intra
-    distributed-optimizer-instance part of dp·cp). ``with_gtp_remat`` changes nothing: gtp_remat has size 1."""
-    return _st().group(_dp_name(with_context_parallel, partial_data_parallel))
+    distributed-optimizer-instance part of dp·cp). ``with_gtp_remat`` (default, as Megatron): the full
+    data-distribution group (replicate dp · gtp_remat); False: the replicate group (the same when gtp_remat is 1)."""
+    return _st().group(_dp_name(with_context_parallel, partial_data_parallel, with_gtp_remat))
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
     """The data-parallel group on gloo (for CPU-side work); the same group when the job runs on gloo. On nccl its
-    twin was created at initialisation (``create_gloo_process_groups``, on by default); StateError otherwise."""
+    twin was created at initialisation (``create_gloo_process_groups``, on by default); StateError otherwise (and
+    with gtp_remat > 1, where Megatron switches gloo groups off)."""
+    _no_gloo_under_gtp(expert=False)
     return _st().gloo_group(_dp_name(with_context_parallel, partial_data_parallel))
+
+
+def _no_gloo_under_gtp(expert: bool) -> None:
+    s = _st().sizes
+    if s.gtp_remat > 1 or (expert and s.expt_gtp_remat > 1):
+        raise StateError(f"no gloo groups with gtp_remat={s.gtp_remat}, expt_gtp_remat={s.expt_gtp_remat}: Megatron-LM "
+                         "switches them off under weight rematerialisation (its optimizer checkpoints through DCP)")
 
 
 def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True):
@@ -278,7 +316,7 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
 
 
 def get_gtp_weight_remat_group(check_initialized: bool = True):
-    """Megatron's generalized-TP weight-rematerialisation group: this rank alone (gtp_remat_size is 1 here)."""
+    """Megatron's generalized-TP weight-rematerialisation group (the gtp_remat axis, right after tp)."""
     return _group("gtp_remat", check_initialized)
 
 
@@ -291,7 +329,7 @@ def get_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> list[in
 
 
 def get_expert_gtp_weight_remat_group(check_initialized: bool = True):
-    """The expert counterpart of :func:`get_gtp_weight_remat_group` (this rank alone)."""
+    """The expert counterpart of :func:`get_gtp_weight_remat_group` (the expt_gtp_remat axis, right after ep)."""
     return _group("expt_gtp_remat", check_initialized)
 
 
@@ -321,7 +359,10 @@ def create_all_gather_groups(for_expert_parallelism: bool = False, timeout: Any 
         return pooled_group(tuple(st.ranks(name)), t, None, f"megashard:{name}:ag", options_key=("all_gather",))[0]
 
     expt = twin("expt_dp") if for_expert_parallelism and st.size("ep") > 1 else None
-    return twin("dp_cp"), expt
+    dp_cp_ag = twin("dp_cp")
+    # kept on the state: its pg_collection() then carries them as dp_cp_ag / expt_dp_ag
+    st.all_gather_groups = {"dp_cp_ag": dp_cp_ag, "expt_dp_ag": expt}
+    return dp_cp_ag, expt
 
 
 def get_context_parallel_group(check_initialized: bool = True):
@@ -352,12 +393,16 @@ def get_expert_tensor_parallel_group(check_initialized: bool = True):
 
 def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
                                    partial_expert_data_parallel: bool = False):
-    """The expert data-parallel group (``partial_expert_data_parallel``: its intra-instance part, expt_dp_shard)."""
-    return _group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp", check_initialized)
+    """The expert data-parallel group (``partial_expert_data_parallel``: its intra-instance part, expt_dp_shard;
+    ``with_gtp_remat``: spanning expt_gtp_remat too, when that is > 1)."""
+    if not check_initialized and not _state.is_initialized():
+        return None
+    return _st().group(_expt_dp_name(partial_expert_data_parallel, with_gtp_remat))
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
     """The expert data-parallel group on gloo (see :func:`get_data_parallel_group_gloo`)."""
+    _no_gloo_under_gtp(expert=True)
     return _st().gloo_group("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
 
 
@@ -366,5 +411,5 @@ def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
 
 
 def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True, with_egtp_remat: bool = False):
-    """The expert tp·ep·pp group (``with_egtp_remat`` gives the same group: expert gtp_remat has size 1)."""
-    return _group("tp_ep_pp", check_initialized)
+    """The expert tp·ep·pp group (``with_egtp_remat``: tp·ep·expt_gtp_remat·pp, the same when expt_gtp_remat is 1)."""
+    return _group("tp_ep_pp_with_egtp_remat" if with_egtp_remat else "tp_ep_pp", check_initialized)

@@ -58,6 +58,18 @@ class RankGenerator:
         return masked_groups(self.world, self.sizes, [t in toks for t in self.order])
 
 
+def inject_gtp_remat(order: str, after: str) -> str:
+    """Megatron's ``_inject_gtp_remat_axis``: the token ``gtp_remat`` right after ``after`` (else after tp, else
+    first; kept where given)."""
+    toks = order.lower().split("-")
+    if "gtp_remat" in toks:
+        return "-".join(toks)
+    anchor = after if after in toks else "tp"
+    pos = toks.index(anchor) + 1 if anchor in toks else 0
+    toks.insert(pos, "gtp_remat")
+    return "-".join(toks)
+
+
 def hierarchical(ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
     """Megatron's ``create_hierarchical_groups`` rank lists: per level, ``rearrange("(l s u) -> (l u) s")``."""
     levels = []
@@ -79,20 +91,24 @@ def create_group_calls(
     world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: Optional[int] = None, n_inst: int = 1,
     hcp: Optional[list[int]] = None, order: str = "tp-cp-ep-dp-pp", gloo: bool = True,
     embedding_ranks: Optional[Callable] = None, position_embedding_ranks: Optional[Callable] = None,
+    gtp: int = 1, egtp: int = 1,
 ) -> Iterator[tuple[str, list[int], str]]:
-    """Every ``create_group`` call of Megatron-LM 0.19's ``initialize_model_parallel`` (gtp_remat sizes 1, no SHARP,
-    no hybrid cp), in its order: ``(family, ranks, backend)``; backend "gloo" for the gloo groups, else "default"."""
+    """Every ``create_group`` call of Megatron-LM 0.19's ``initialize_model_parallel`` (no SHARP, no hybrid cp), in its
+    order: ``(family, ranks, backend)``; backend "gloo" for the gloo groups, else "default". ``gtp``/``egtp``:
+    ``gtp_remat_size``/``expert_gtp_remat_size`` (axes injected after tp / after ep; gloo groups off when > 1)."""
     etp = tp if etp is None else etp
     emb = embedding_ranks or default_embedding_ranks
     pos = position_embedding_ranks or default_position_embedding_ranks
-    dp = world // (tp * pp * cp)
-    dense = RankGenerator(tp, 1, dp, pp, cp, order)
-    edp = world // (etp * ep * pp)
-    expert = RankGenerator(etp, ep, edp, pp, 1, order)
+    dp = world // (tp * pp * cp * gtp)
+    dense = RankGenerator(tp, 1, dp, pp, cp, inject_gtp_remat(order, "tp"), gtp_remat=gtp)
+    edp = world // (etp * ep * pp * egtp)
+    expert = RankGenerator(etp, ep, edp, pp, 1, inject_gtp_remat(order, "ep"), gtp_remat=egtp)
     intra = dp * cp // n_inst
 
     for r in dense.get_ranks("gtp_remat"):
         yield "gtp_remat", r, "default"
+    if gtp > 1:
+        gloo = False
     for r in dense.get_ranks("dp-cp"):
         yield "dp_cp", r, "default"
         if gloo:
@@ -107,6 +123,11 @@ def create_group_calls(
         yield "dp", r, "default"
         if gloo:
             yield "dp", r, "gloo"
+    if gtp > 1:
+        for r in dense.get_ranks("gtp_remat-dp"):
+            yield "dp_gtp_remat", r, "default"
+        for r in dense.get_ranks("gtp_remat-dp-cp"):
+            yield "dp_cp_gtp_remat", r, "default"
     for r in dense.get_ranks("cp"):
         yield "cp", r, "default"
         if hcp:
@@ -140,6 +161,8 @@ def create_group_calls(
     for r in expert.get_ranks("tp-ep-gtp_remat-pp"):
         yield "tp_ep_pp_with_egtp_remat", r, "default"
     intra_e = edp // n_inst
+    if egtp > 1:
+        gloo = False
     for r in expert.get_ranks("dp"):
         yield "expt_dp", r, "default"
         if gloo:
@@ -154,6 +177,12 @@ def create_group_calls(
                 yield "inter_dist_opt", g, "default"
                 if gloo:
                     yield "inter_dist_opt", g, "gloo"
+    if egtp > 1:
+        for r in expert.get_ranks("gtp_remat-dp"):
+            yield "expt_dp_gtp_remat", r, "default"
+    if gtp > 1 or egtp > 1:
+        yield "intra_dist_opt", sorted(r for g in expert.get_ranks("tp-ep-pp") for r in g), "default"
+        return
     acc: list[int] = []
     for k, r in enumerate(expert.get_ranks("tp-ep-pp"), 1):
         acc.extend(r)
@@ -171,6 +200,9 @@ def megatron_groups(world: int, **kw) -> dict[str, list[list[int]]]:
             out.setdefault(fam, []).append(ranks)
     out.setdefault("intra_dp_cp", out["dp_cp"])
     out.setdefault("intra_expt_dp", out["expt_dp"])
+    out.setdefault("dp_gtp_remat", out["dp"])  # aliases when gtp_remat is 1
+    out.setdefault("dp_cp_gtp_remat", out["dp_cp"])
+    out.setdefault("expt_dp_gtp_remat", out["expt_dp"])
     return out
 
 

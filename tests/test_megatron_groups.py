@@ -318,7 +318,7 @@ def test_nccl_options_objects():
     assert not nccl_options({}).is_high_priority_stream
 
 
-@pytest.mark.parametrize("kw", [dict(gtp_remat_size=2), dict(expert_gtp_remat_size=4), dict(use_sharp=True),
+@pytest.mark.parametrize("kw", [dict(use_sharp=True),
                                 dict(sharp_enabled_group="dp"), dict(hybrid_context_parallel=True),
                                 dict(pipeline_model_parallel_comm_backend="ucc"), dict(rank_offset=4)])
 def test_unsupported_megatron_options_are_named(kw):

@@ -48,6 +48,10 @@ NCCL_GROUP_NAMES: dict[str, tuple[str, ...]] = {
     "intra_dist_opt_instance": ("intra_dist_opt",),
     "gtp_remat": ("gtp_remat",),
     "expt_gtp_remat": ("expt_gtp_remat",),
+    "gtp_remat_dp": ("dp_gtp_remat",),
+    "gtp_remat_dp_cp": ("dp_cp_gtp_remat",),
+    "ep_gtp_remat_dp": ("expt_dp_gtp_remat",),
+    "tp_ep_gtp_remat_pp": ("tp_ep_pp_with_egtp_remat",),
 }
 #: Option keys and their checks: name -> (description for errors, check).
 NCCL_KEYS = ("cga_cluster_size", "max_ctas", "min_ctas", "net_name", "is_high_priority_stream")

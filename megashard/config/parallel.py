@@ -55,7 +55,16 @@ class ParallelConfig:
     expt_tp: int = 1
     """Expert tensor-parallel size. Defaults to 1, *not* to tp (an implicit tp default causes divisibility surprises)."""
     expt_dp: int = -1
-    """Expert data-parallel size = world / (expt_tp·ep·pp). Derived when ``-1``."""
+    """Expert data-parallel size = world / (expt_tp·ep·expt_gtp_remat·pp). Derived when ``-1``."""
+    gtp_remat: int = 1
+    """Megatron's generalized tensor-parallel weight-rematerialisation size (``gtp_remat_size``): an axis of the dense
+    rank grid placed right after tp; it counts toward the model size, so ``dp = world / (tp·gtp_remat·cp·pp)`` is the
+    replicate degree. > 1 needs ``dp_outer = 1`` (Megatron: one distributed-optimizer instance) and switches the gloo
+    groups off, as Megatron does."""
+    expt_gtp_remat: int = 1
+    """Expert counterpart of ``gtp_remat`` (Megatron's ``expert_gtp_remat_size``): an axis of the expert grid placed
+    right after ep; ``expt_dp = world / (expt_tp·ep·expt_gtp_remat·pp)``. > 1 needs ``dp_outer = 1`` and switches
+    the expert gloo groups off."""
     order: str = "tp-cp-ep-dp-pp"
     """Megatron rank order: axis tokens joined by ``-``, leftmost varies fastest. Tokens: tp, cp, ep, dp, pp;
     a token of an axis with size > 1 must appear; missing size-1 tokens are appended."""
@@ -125,7 +134,8 @@ class ParallelConfig:
     def validate(self) -> None:
         """Check what can be checked without a world size (types, ranges, order, backend); run once, by
         ``__post_init__``."""
-        ints = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "seed")
+        ints = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "gtp_remat", "expt_gtp_remat",
+                "seed")
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -138,6 +148,15 @@ class ParallelConfig:
             if v > MAX_WORLD_SIZE:
                 raise ConfigError(f"{name}={v:,} is larger than the largest world size megashard supports "
                                   f"({MAX_WORLD_SIZE:,} ranks); use a positive integer up to it, or -1 (derive it)")
+        for name in ("gtp_remat", "expt_gtp_remat"):
+            v = getattr(self, name)
+            if not 1 <= v <= MAX_WORLD_SIZE:
+                raise ConfigError(f"{name}={v} is not a valid size; use a positive integer (1 = no weight "
+                                  "rematerialisation axis)")
+        if (self.gtp_remat > 1 or self.expt_gtp_remat > 1) and self.dp_outer != 1:
+            raise ConfigError(f"gtp_remat={self.gtp_remat}, expt_gtp_remat={self.expt_gtp_remat} with dp_outer="
+                              f"{self.dp_outer}: Megatron-LM supports gtp_remat only with one distributed-optimizer "
+                              "instance; set dp_outer: 1 or gtp_remat/expt_gtp_remat: 1")
         dense_free = [n for n in ("tp", "cp", "pp", "dp_outer") if getattr(self, n) == -1]
         if len(dense_free) > 1:
             raise ConfigError(
@@ -204,7 +223,20 @@ class ParallelConfig:
     def full_order(self) -> list[str]:
         """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule)."""
         tokens = self.order.lower().split("-")
-        return tokens + [t for t in ORDER_TOKENS if t not in tokens]
+        missing = [t for t in ORDER_TOKENS if t not in tokens]
+        if self.gtp_remat > 1 or self.expt_gtp_remat > 1:
+            # Megatron injects gtp_remat after tp (expert: after ep, else after tp) and at the front when the anchor
+            # is not in order: a missing (size-1) tp goes first, a missing ep right after tp, so that the axes
+            # placed after them (RankLayout) land where Megatron's do.
+            front = ["tp"] if "tp" in missing else []
+            if "ep" in missing and self.expt_gtp_remat > 1:
+                if front:
+                    front.append("ep")
+                else:
+                    tokens.insert(tokens.index("tp") + 1, "ep")
+            tokens = front + tokens
+            missing = [t for t in missing if t not in tokens]
+        return tokens + missing
 
     def resolve(self, world_size: int) -> ResolvedSizes:
         """All sizes for ``world_size`` ranks, every ``-1`` filled in; raises ConfigError naming the rule broken.

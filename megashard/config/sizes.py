@@ -72,9 +72,16 @@ class ResolvedSizes:
     order: tuple[str, ...] = field(default=("tp", "cp", "ep", "dp", "pp"))
     hierarchical_cp: tuple[int, ...] | None = None
     """Sizes of the hierarchical context-parallel levels (product = cp), fastest first; None = not hierarchical."""
+    gtp_remat: int = 1
+    """Megatron's gtp_remat axis (dense grid, right after tp): world = tp·gtp_remat·cp·dp·pp."""
+    expt_gtp_remat: int = 1
+    """Megatron's expert gtp_remat axis (expert grid, right after ep): world = expt_tp·ep·expt_gtp_remat·expt_dp·pp."""
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for k in ("gtp_remat", "expt_gtp_remat"):
+            if d[k] == 1:
+                d.pop(k)  # absent = 1: saved sizes and plans of layouts without the axis read as before
         d["order"] = "-".join(self.order)
         if d.get("hierarchical_cp") is None:
             d.pop("hierarchical_cp", None)  # keep older readers of saved sizes happy
@@ -87,6 +94,21 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
     """All sizes of ``config`` (validated when it was built) for ``world_size`` ranks, every ``-1`` filled in;
     raises ConfigError naming the rule broken. Pure arithmetic: the config is not checked again."""
     check_world_size(world_size)
+    G, E = config.gtp_remat, config.expt_gtp_remat
+    if world_size % G:
+        raise ConfigError(f"world size {world_size} is not divisible by gtp_remat={G}; valid gtp_remat: "
+                          f"{fmt_divisors(world_size)}")
+    try:
+        sizes = _resolve(config, world_size // G, G, E)
+    except ConfigError as e:
+        if G == 1:
+            raise
+        raise ConfigError(f"{e} (with gtp_remat={G}: the sizes are checked on world/gtp_remat = {world_size // G})") from None
+    return dataclasses.replace(sizes, world_size=world_size)
+
+
+def _resolve(config: "ParallelConfig", world_size: int, G: int, E: int) -> ResolvedSizes:
+    """:func:`resolve_sizes` on ``world_size`` = world / gtp_remat (the dense grid without its gtp_remat axis)."""
     W = world_size
     tp, cp, pp, dp, dpo, dps = config.tp, config.cp, config.pp, config.dp, config.dp_outer, config.dp_shard
 
@@ -147,8 +169,12 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
             f"dp={dp} does not match world/(tp·cp·pp) = {W}/({tp}·{cp}·{pp}) = {dp_resolved}; set dp: -1 to derive it"
         )
 
-    # Expert layout: expt_tp · ep · expt_dp = tp · cp · dp (the ranks of one pipeline stage).
-    stage = tp * cp * dp_resolved
+    # Expert layout: expt_tp · ep · expt_gtp_remat · expt_dp = tp · gtp_remat · cp · dp (the ranks of one stage).
+    stage = tp * cp * dp_resolved * G
+    if stage % E:
+        raise ConfigError(f"expt_gtp_remat={E} must divide the ranks of one pipeline stage tp·gtp_remat·cp·dp = "
+                          f"{stage}; valid: {fmt_divisors(stage)}")
+    stage //= E
     ep, etp, edp = config.ep, config.expt_tp, config.expt_dp
     if etp == -1:
         if stage % (ep * edp):
@@ -186,12 +212,14 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
             f"order='{config.order}' omits {', '.join(f'{t} (size {sizes[t]})' for t in missing)}; "
             "every axis with size > 1 must appear in order"
         )
-    # Megatron's rule: with pp not last, dense and expert dp must match so that the pp groups agree.
-    if pp > 1 and order[-1] != "pp" and edp != dp_resolved and ep == 1 and config.expt_tp == 1:
+    # Megatron's rule: with pp not last, dense and expert dp must match so that the pp groups agree. "Last" as Megatron
+    # reads it: the order as written ends with pp (size-1 axes appended after it change no stride).
+    pp_last = config.order.lower().split("-")[-1] == "pp"
+    if pp > 1 and not pp_last and edp != dp_resolved and ep == 1 and config.expt_tp == 1 and G == E:
         # No experts: fold the (unused) expert layout onto the dense one, as Megatron's default
         # expt_tp = tp does, so that its pipeline groups agree.
         etp, edp = tp * cp, dp_resolved
-    if pp > 1 and order[-1] != "pp" and edp != dp_resolved:
+    if pp > 1 and not pp_last and edp != dp_resolved:
         raise ConfigError(
             f"order='{config.order}' does not end with pp, so the dense and expert pipeline groups differ unless "
             f"expt_dp ({edp}) equals dp ({dp_resolved}); put pp last or choose ep·expt_tp = tp·cp"
@@ -218,5 +246,5 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
     return ResolvedSizes(
         world_size=W, tp=tp, cp=cp, pp=pp, dp=dp_resolved, dp_outer=dpo, dp_shard=dps,
         ep=ep, expt_tp=etp, expt_dp=edp, vpp=config.vpp, order=tuple(order),
-        hierarchical_cp=tuple(hcp) if hcp is not None else None,
+        hierarchical_cp=tuple(hcp) if hcp is not None else None, gtp_remat=G, expt_gtp_remat=E,
     )

@@ -23,12 +23,16 @@ DENSE_GROUPS: dict[str, tuple[str, ...]] = {
     "dp_shard_cp": ("cp", "dp_shard"),
     "hsdp": ("cp", "dp_shard", "dp_outer"),
     "tp_cp": ("tp", "cp"),
-    "tp_dp": ("tp", "dp_shard", "dp_outer"),
-    "tp_dp_cp": ("tp", "cp", "dp_shard", "dp_outer"),
-    "mp": ("tp", "pp"),
-    "world": ("tp", "cp", "dp_shard", "dp_outer", "pp"),
-    # Megatron's generalized-TP weight-rematerialisation axis: size 1 (singleton groups) in megashard.
-    "gtp_remat": (),
+    # Megatron's tp-gtp_remat-dp(-cp) and tp-gtp_remat-pp tokens: they span the gtp_remat axis (absent at size 1).
+    "tp_dp": ("tp", "gtp_remat", "dp_shard", "dp_outer"),
+    "tp_dp_cp": ("tp", "gtp_remat", "cp", "dp_shard", "dp_outer"),
+    "mp": ("tp", "gtp_remat", "pp"),
+    "world": ("tp", "gtp_remat", "cp", "dp_shard", "dp_outer", "pp"),
+    # Megatron's generalized-TP weight-rematerialisation axis (right after tp) and its full data-distribution groups
+    # (replicate dp · gtp_remat: Megatron's default get_data_parallel_group); the same as gtp_remat-less ones at size 1.
+    "gtp_remat": ("gtp_remat",),
+    "dp_gtp_remat": ("gtp_remat", "dp_shard", "dp_outer"),
+    "dp_cp_gtp_remat": ("gtp_remat", "cp", "dp_shard", "dp_outer"),
 }
 EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
     "ep": ("ep",),
@@ -41,8 +45,11 @@ EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
     "expt_pp": ("pp",),
     # Megatron's intra distributed-optimizer instance group: intra_partial_expert_dp consecutive tp-ep-pp
     # groups = every expert axis but the replica axis (the whole world with one optimizer instance).
-    "intra_dist_opt": ("expt_tp", "ep", "expt_dp_shard", "pp"),
-    "expt_gtp_remat": (),
+    # (With gtp_remat Megatron makes it the whole world; one optimizer instance then, so it is here too.)
+    "intra_dist_opt": ("expt_tp", "ep", "expt_gtp_remat", "expt_dp_shard", "pp"),
+    "expt_gtp_remat": ("expt_gtp_remat",),
+    "expt_dp_gtp_remat": ("expt_gtp_remat", "expt_dp_shard", "expt_dp_outer"),
+    "tp_ep_pp_with_egtp_remat": ("expt_tp", "ep", "expt_gtp_remat", "pp"),
 }
 GROUP_NAMES: tuple[str, ...] = tuple(DENSE_GROUPS) + tuple(EXPERT_GROUPS)
 #: Megatron-LM's names for groups megashard has under another name (one communicator per rank set either way):

@@ -73,10 +73,14 @@ class RankLayout:
         for tok in sizes.order:
             if tok == "tp":
                 dense.append(("tp", sizes.tp)); expert.append(("expt_tp", sizes.expt_tp))
+                if sizes.gtp_remat > 1:  # Megatron injects gtp_remat right after tp (dense grid only)
+                    dense.append(("gtp_remat", sizes.gtp_remat))
             elif tok == "cp":
                 dense.append(("cp", sizes.cp))
             elif tok == "ep":
                 expert.append(("ep", sizes.ep))
+                if sizes.expt_gtp_remat > 1:  # … and the expert one right after ep (expert grid only)
+                    expert.append(("expt_gtp_remat", sizes.expt_gtp_remat))
             elif tok == "dp":
                 dense += [("dp_shard", sizes.dp_shard), ("dp_outer", sizes.dp_outer)]
                 # The expert replica axis: expt_dp = expt_dp_shard (faster) · expt_dp_outer (= dp_outer). (Sizes that
@@ -107,22 +111,27 @@ class RankLayout:
         return grid is self._expert, axes
 
     def _grid_axes(self, name: str) -> tuple[RankGrid, tuple[str, ...]]:
+        grid, axes = self._named_axes(name)
+        # a size-1 gtp_remat axis is absent from its grid (it would add nothing): drop it
+        return grid, tuple(a for a in axes if a in grid.index)
+
+    def _named_axes(self, name: str) -> tuple[RankGrid, tuple[str, ...]]:
         name = GROUP_ALIASES.get(name, name)
         if name in DENSE_GROUPS:
             return self._dense, DENSE_GROUPS[name]
         if name in EXPERT_GROUPS:
             return self._expert, EXPERT_GROUPS[name]
-        # Megatron token strings such as "tp-pp" or "tp-ep-pp" (expert when it names ep).
-        # ("gtp_remat" has size 1 in megashard: it adds no axis.)
+        # Megatron token strings such as "tp-pp" or "tp-ep-pp" (expert when it names ep). "gtp_remat" is the axis of
+        # the grid the other tokens name (an axis of size 1 is absent from a grid: it adds nothing).
         toks = name.split("-")
         if set(toks) <= {"tp", "cp", "dp", "pp", "ep", "gtp_remat"} and len(toks) == len(set(toks)):
             if "ep" in toks:
                 if "cp" in toks:
                     raise ConfigError(f"group '{name}': cp and ep live in different layouts")
                 m = {"tp": ("expt_tp",), "ep": ("ep",), "dp": ("expt_dp_shard", "expt_dp_outer"), "pp": ("pp",),
-                     "gtp_remat": ()}
+                     "gtp_remat": ("expt_gtp_remat",)}
                 return self._expert, tuple(a for t in toks for a in m[t])
-            m = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp_shard", "dp_outer"), "pp": ("pp",), "gtp_remat": ()}
+            m = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp_shard", "dp_outer"), "pp": ("pp",), "gtp_remat": ("gtp_remat",)}
             return self._dense, tuple(a for t in toks for a in m[t])
         if name in EDGE_GROUPS or name in self.hcp_names:
             raise ConfigError(f"group '{name}' is not an axis combination: ask group_of/members/size/is_member for it")
@@ -276,8 +285,14 @@ class RankLayout:
 
         s, order = self.sizes, "-".join(self.sizes.order)
         if expert:
-            return RankGenerator(tp=s.expt_tp, ep=s.ep, dp=s.expt_dp, pp=s.pp, cp=1, order=order, rank_offset=rank_offset)
-        return RankGenerator(tp=s.tp, ep=1, dp=s.dp, pp=s.pp, cp=s.cp, order=order, rank_offset=rank_offset)
+            if s.expt_gtp_remat > 1:
+                order = order.replace("ep", "ep-gtp_remat", 1)
+            return RankGenerator(tp=s.expt_tp, ep=s.ep, dp=s.expt_dp, pp=s.pp, cp=1, order=order, rank_offset=rank_offset,
+                                 gtp_remat=s.expt_gtp_remat)
+        if s.gtp_remat > 1:
+            order = order.replace("tp", "tp-gtp_remat", 1)
+        return RankGenerator(tp=s.tp, ep=1, dp=s.dp, pp=s.pp, cp=s.cp, order=order, rank_offset=rank_offset,
+                             gtp_remat=s.gtp_remat)
 
     # ------------------------------------------------------------------ meshes
     def _mesh_axes(self, expert: bool | str) -> tuple[str, ...]:
@@ -315,4 +330,6 @@ class RankLayout:
     def describe(self) -> dict[str, int]:
         """The world size and every resolved axis size."""
         s = self.sizes
-        return {k: getattr(s, k) for k in ("world_size", "tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")}
+        out = {k: getattr(s, k) for k in ("world_size", "tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")}
+        out.update({k: getattr(s, k) for k in ("gtp_remat", "expt_gtp_remat") if getattr(s, k) > 1})
+        return out

@@ -124,6 +124,9 @@ class ParallelState:
         self._meshes: dict[str, DeviceMesh] = {}
         self._views: dict[str, DeviceMesh] = {}
         self._destroyed = False
+        from megashard.state.pool import register_user
+
+        register_user(self)  # release_idle_groups keeps the groups of live states
         self._create_groups()
 
     # ------------------------------------------------------------------ construction
@@ -207,7 +210,9 @@ class ParallelState:
 
     def _wants_gloo_twins(self) -> bool:
         # On gloo a group is its own twin; a `fake` simulation creates no communicator at all.
-        return self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
+        # Megatron switches them off under gtp_remat (expert ones under expt_gtp_remat: _create_gloo_twins).
+        return (self.config.create_gloo_process_groups and dist.get_backend() not in ("gloo", "fake")
+                and self.sizes.gtp_remat == 1)
 
     def _create_gloo_twins(self) -> int:
         """A gloo group with the members of every data-parallel group (:data:`GLOO_TWIN_GROUPS`), during
@@ -216,6 +221,8 @@ class ParallelState:
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         created = 0
         for name in GLOO_TWIN_GROUPS:
+            if self.sizes.expt_gtp_remat > 1 and name.startswith(("expt_", "intra_expt")):
+                continue
             ranks = self._global(self.layout.group_of(name, self.layout_rank))
             if ranks not in by_ranks:
                 by_ranks[ranks], new = pooled_group(ranks, self._timeout, "gloo", f"megashard:{name}:gloo")
@@ -396,6 +403,13 @@ class ParallelState:
         from megashard.state.pg_collection import pg_collection
 
         return pg_collection(self, megatron)
+
+    def pooled_groups_in_use(self) -> list[dist.ProcessGroup]:
+        """The communicators this (live) state uses: none once destroyed."""
+        if self._destroyed:
+            return []
+        ag = [g for g in getattr(self, "all_gather_groups", {}).values() if g is not None]
+        return [*self._groups.values(), *self._gloo_twins.values(), *ag]
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:

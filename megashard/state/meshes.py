@@ -69,6 +69,13 @@ def build_view(layout: RankLayout, view: str, groups: Mapping[str, dist.ProcessG
                rank_offset: int = 0) -> DeviceMesh:
     """The ``view`` mesh over this rank's ``groups`` (group name -> process group) of ``layout``, whose ranks start
     at global rank ``rank_offset`` (one module of a multi-module job)."""
+    s = layout.sizes
+    if getattr(s, "gtp_remat", 1) > 1 or getattr(s, "expt_gtp_remat", 1) > 1:
+        from megashard.errors import StateError
+
+        raise StateError(f"no '{view}' DeviceMesh with gtp_remat={s.gtp_remat}, expt_gtp_remat={s.expt_gtp_remat}: the "
+                         "meshes have no weight-rematerialisation axis (Megatron's GTP path uses its process groups: "
+                         "state.group(name) / state.pg_collection())")
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(

@@ -15,18 +15,41 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megashard.state.core import ParallelState
 
-__all__ = ["PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
+__all__ = ["GLOO_FIELDS", "PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
 
 #: Megatron-LM 0.19's ProcessGroupCollection fields -> megashard group name (None: not set, as in Megatron's
 #: ``use_mpu_process_groups``; "hcp": the list of hierarchical cp groups).
 PG_FIELDS: dict[str, str | None] = {
     "tp": "tp", "pp": "pp", "mp": "mp", "embd": "embd", "pos_embd": "pos_embd", "cp": "cp", "tp_cp": "tp_cp",
     "hcp": "hcp", "ep": "ep", "expt_tp": "expt_tp", "tp_ep": "tp_ep", "tp_ep_pp": "tp_ep_pp",
-    "tp_ep_pp_with_egtp_remat": "tp_ep_pp", "tp_dp_cp": "tp_dp_cp", "dp": "dp", "dp_cp": "dp_cp",
-    "dp_cp_gtp_remat": "dp_cp", "dp_cp_ag": None, "gtp_remat": "gtp_remat", "expt_gtp_remat": "expt_gtp_remat",
-    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp", "expt_dp_ag": None, "intra_dp_cp": "intra_dp_cp",
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp_with_egtp_remat", "tp_dp_cp": "tp_dp_cp", "dp": "dp", "dp_cp": "dp_cp",
+    "dp_cp_gtp_remat": "dp_cp_gtp_remat", "dp_cp_ag": "ag", "gtp_remat": "gtp_remat", "expt_gtp_remat": "expt_gtp_remat",
+    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp_gtp_remat", "expt_dp_ag": "ag", "intra_dp_cp": "intra_dp_cp",
     "intra_expt_dp": "intra_expt_dp", "inter_dist_opt": "inter_dist_opt", "intra_dist_opt": "intra_dist_opt",
 }
+
+
+#: gloo groups reachable through the collection (Megatron PR #6259's direction): attribute -> megashard group name.
+#: None where the rank has none (a ``fake`` job, ``create_gloo_process_groups=False`` on nccl, gtp_remat > 1).
+GLOO_FIELDS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp", "intra_dp_cp_gloo": "intra_dp_cp",
+                               "expt_dp_gloo": "expt_dp", "intra_expt_dp_gloo": "intra_expt_dp"}
+
+
+def _gloo_groups(state: "ParallelState") -> dict[str, Any]:
+    from megashard.errors import StateError
+
+    s = state.sizes
+    out: dict[str, Any] = {}
+    for field, name in GLOO_FIELDS.items():
+        expert = name.startswith(("expt", "intra_expt"))
+        if s.gtp_remat > 1 or (expert and s.expt_gtp_remat > 1):
+            out[field] = None  # Megatron switches them off under weight rematerialisation
+            continue
+        try:
+            out[field] = state.gloo_group(name)
+        except StateError:
+            out[field] = None
+    return out
 
 
 class ProcessGroupCollection:
@@ -40,7 +63,7 @@ class ProcessGroupCollection:
             setattr(self, key, value)
 
     def __getattr__(self, name: str) -> Any:
-        if name in PG_FIELDS:
+        if name in PG_FIELDS or name in GLOO_FIELDS:
             return None
         raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
 
@@ -59,7 +82,9 @@ def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
     """``{field: process group (or list, or None)}`` for every Megatron field, from ``state``."""
     out: dict[str, Any] = {}
     for field, name in PG_FIELDS.items():
-        if name is None:
+        if name == "ag":  # the all-gather twins, once create_all_gather_groups made them (else None, as Megatron)
+            out[field] = getattr(state, "all_gather_groups", {}).get(field)
+        elif name is None:
             out[field] = None
         elif name == "hcp":
             out[field] = state.hcp_groups() or None
@@ -74,10 +99,18 @@ def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
 
 def pg_collection(state: "ParallelState", megatron: bool | None = None) -> Any:
     """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable (``megatron`` None)
-    or required (True), megashard's stand-in otherwise or with ``megatron=False``."""
+    or required (True), megashard's stand-in otherwise or with ``megatron=False``. The gloo groups ride along as
+    :data:`GLOO_FIELDS` attributes (``pgs.dp_gloo``, ``pgs.intra_dp_cp_gloo`` …)."""
+    groups = pg_collection_groups(state)
+    out = _collection(groups, megatron)
+    for field, pg in _gloo_groups(state).items():
+        object.__setattr__(out, field, pg)
+    return out
+
+
+def _collection(groups: dict[str, Any], megatron: bool | None) -> Any:
     import dataclasses
 
-    groups = pg_collection_groups(state)
     if megatron is False:
         return ProcessGroupCollection(**groups)
     try:

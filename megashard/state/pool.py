@@ -19,18 +19,44 @@ and, for scripts that never call it, at exit (``atexit``), while Python is fully
 from __future__ import annotations
 
 import atexit
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-__all__ = ["pooled_group", "pooled_group_count", "release_process_groups"]
+__all__ = ["pooled_group", "before_release_at_exit", "pooled_group_count", "register_user", "release_idle_groups", "release_process_groups"]
 
 _POOL: dict[tuple, dist.ProcessGroup] = {}
 _POOL_WORLD: list = [None]  # the default group the pool belongs to
 _RELEASE_AT_EXIT: list = [False]
 _PLACEHOLDERS: list = [0]  # placeholder groups created so far (their pool keys)
 _BEFORE_RELEASE: list = []  # what runs at exit before the pool is released (before_release_at_exit)
+#: objects whose ``pooled_groups_in_use()`` name the groups they still use (live ParallelStates): release_idle_groups
+#: keeps those
+_USERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_user(user: Any) -> None:
+    """Record an object (a ParallelState) whose ``pooled_groups_in_use()`` lists pooled groups it still uses."""
+    _USERS.add(user)
+
+
+def release_idle_groups() -> int:
+    """Destroy every pooled communicator no live user (ParallelState) uses — Megatron's ``destroy_model_parallel``
+    semantics: no groups left behind; returns how many. The names stay taken (``destroy_group_keep_name``), so a
+    later state creates fresh groups safely."""
+    from megashard._compat import destroy_group_keep_name
+
+    in_use = {id(pg) for user in list(_USERS) for pg in user.pooled_groups_in_use()}
+    idle = [k for k, pg in _POOL.items() if id(pg) not in in_use]
+    for key in idle:
+        pg = _POOL.pop(key)
+        try:
+            destroy_group_keep_name(pg)
+        except (ValueError, RuntimeError, AssertionError):  # already destroyed with its default group
+            pass
+    return len(idle)
 
 
 def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None, desc: str,
