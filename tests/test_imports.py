@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
      "megashard.introspect", "megashard.processes", "megashard.outputs"),
     ("megashard.config",),
     ("megashard.layout",),
-    ("megashard.state", "megashard.parallel_ranks", "megashard.parallel_state", "megashard.doctor"),
+    ("megashard.state", "megashard.parallel_ranks", "megashard.parallel_state", "megashard.doctor", "megashard.megatron"),
     ("megashard.tensors",),
     ("megashard.checkpoint", "megashard.data"),
     ("megashard.models",),
