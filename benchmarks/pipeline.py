@@ -63,7 +63,7 @@ def _pipeline_worker(rank: int, world: int, overrides: list[str], steps: int, ou
                    dp_size=state.size("dp"), device=current_device(state.device_type))
     pipe = None
     if state.size("pp") > 1:
-        from megashard.train.pipeline import Pipeline
+        from megashard.models.pipeline import Pipeline
 
         pipe = Pipeline(job, state, model)
     times = []

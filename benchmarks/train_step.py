@@ -41,7 +41,7 @@ WORLD = 4
 
 # ---------------------------------------------------------------------------------------------- plain PyTorch model
 def plain_gpt(cfg, dtype):
-    """The same GPT as megashard.train.model, from stock modules (parameter names identical)."""
+    """The same GPT as megashard.models.gpt.model, from stock modules (parameter names identical)."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -100,8 +100,8 @@ def plain_gpt(cfg, dtype):
 @torch.no_grad()
 def init_like_megashard(model, cfg, seed: int) -> None:
     """The initial values megashard's init_parameters gives the same names (full tensors, before sharding)."""
-    from megashard.train.layers import scaled_std
-    from megashard.train.model import param_init_seed
+    from megashard.models.layers import scaled_std
+    from megashard.models.gpt.model import param_init_seed
 
     for name, p in model.named_parameters():
         if name.endswith("bias"):

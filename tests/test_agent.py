@@ -1,4 +1,4 @@
-"""How failures of a job are told (megashard.train.agent, megashard.train.worker), without launching.
+"""How failures of a job are told (megashard.launch.agent, megashard.launch.worker), without launching.
 
 torchrun's final ChildFailedError becomes one line naming the root failures, not the ranks they took
 down; peer-loss errors are recognised through their cause chain; an error every rank raises alike is
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from megashard.errors import CheckpointCorruptedError, ConfigError, RankMismatchError
-from megashard.train.agent import EXIT_PEER_LOST, _summary, describe_exit, is_peer_loss
-from megashard.train.worker import _prints
+from megashard.launch.agent import EXIT_PEER_LOST, _summary, describe_exit, is_peer_loss
+from megashard.launch.worker import _prints
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:6563: Connection reset by peer. This is typically caused by a remote worker hanging")
@@ -28,7 +28,7 @@ def _failure(rank: int, code: int, ts: int) -> ProcessFailure:
 
 def test_the_final_summary_names_root_failures_not_their_victims():
     sigterm = -int(signal.SIGTERM)
-    err = ChildFailedError("megashard.train.worker", {0: _failure(0, sigterm, 10), 1: _failure(1, 1, 9),
+    err = ChildFailedError("megashard.launch.worker", {0: _failure(0, sigterm, 10), 1: _failure(1, 1, 9),
                                                       2: _failure(2, EXIT_PEER_LOST, 8), 3: _failure(3, sigterm, 10)})
     assert _summary(err, 1) == "rank 1 failed (exit code 1); no restarts left (launch.max_restarts=1)"
     err = ChildFailedError("w", {0: _failure(0, 2, 5), 2: _failure(2, 2, 5), 1: _failure(1, -9, 4)})
@@ -82,7 +82,7 @@ def _record(level: int, msg: str, *args) -> "logging.LogRecord":
 def test_torchrun_log_records_become_one_line_per_restart(capsys):
     import logging
 
-    from megashard.train.agent import _Reporter
+    from megashard.launch.agent import _Reporter
 
     # torch's own templates (torch/distributed/elastic/multiprocessing/api.py, agent/server/api.py)
     failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"

@@ -303,7 +303,7 @@ def test_real_processes_one_line_exit_2(bad, tmp_path):
 def test_no_numpy_warning_from_the_cli_and_the_workers(tmp_path):
     """torch warns "Failed to initialize NumPy" at import when numpy is missing: hidden in megashard's entry
     points and, through PYTHONWARNINGS, in torchrun and every worker (also when the user sets filters)."""
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     fake = tmp_path / "nonumpy" / "numpy"
     fake.mkdir(parents=True)

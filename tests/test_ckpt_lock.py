@@ -1,4 +1,4 @@
-"""The checkpoint-directory lock on real files and real processes (megashard.train.ckptlock).
+"""The checkpoint-directory lock on real files and real processes (megashard.launch.ckptlock).
 
 Live holders are refused in one line naming host and pid; stale ones (a dead pid on this host, a reused
 pid, an old heartbeat from another host, an unreadable file) are taken over with a note; the same job
@@ -17,9 +17,9 @@ import time
 import pytest
 
 from megashard.errors import CheckpointLockedError
-from megashard.train import ckptlock
-from megashard.train.ckptlock import LOCK_NAME, CheckpointLock, check_free, read_holder
-from megashard.train.lifeline import hostname, process_start_time
+from megashard.launch import ckptlock
+from megashard.launch.ckptlock import LOCK_NAME, CheckpointLock, check_free, read_holder
+from megashard.launch.lifeline import hostname, process_start_time
 
 
 def _dead_pid() -> int:

@@ -53,7 +53,7 @@ def test_run_dry_run_parses_validates_and_resolves_once(tmp_path, capsys):
         code = main(["run", DEFAULT, "--dry-run", f"train.out_dir={tmp_path}/out", "train.steps=3"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "megashard.train.worker" in out and "4 processes" in err  # the real dry run: torchrun command printed
+    assert "megashard.launch.worker" in out and "4 processes" in err  # the real dry run: torchrun command printed
     assert dict(counts) == ONCE
 
 
@@ -84,7 +84,7 @@ def check_worker_start_counts(rank, world_size):
 
     import torch.distributed as dist
 
-    from megashard.train import worker
+    from megashard.launch import worker
 
     with tempfile.TemporaryDirectory(prefix="megashard-flow-") as tmp, counted() as counts:
         code = worker.main([DEFAULT, "parallel.tp=1", "launch.nproc_per_node=1", "train.steps=1", "train.plot=false",

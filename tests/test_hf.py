@@ -86,7 +86,7 @@ def check_init_llama(rank, world_size):
 def _hf_model(arch: str, seed: int):
     """A random Hugging Face model of the test's size (every weight, norms included, random)."""
     from megashard.train.config import JobConfig
-    from megashard.train.hf import hf_config
+    from megashard.models.hf import hf_config
 
     job = JobConfig.from_yaml(DEFAULT, BASE + ARCH[arch])
     conf = hf_config(job.model, job.ffn_hidden)
@@ -114,7 +114,7 @@ def runs(tmp_path_factory):
 
 def _megashard_logits(job, full: dict, ids: torch.Tensor) -> torch.Tensor:
     """Logits of megashard's model holding ``full``, in this process (the LM head applied to ln_f's output)."""
-    from megashard.train.model import GPT
+    from megashard.models.gpt.model import GPT
 
     model = GPT(job.model, ffn_hidden=job.ffn_hidden)
     model.load_state_dict(full)

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from megashard.train.lifeline import die_with_parent, pid_alive, process_start_time
+from megashard.launch.lifeline import die_with_parent, pid_alive, process_start_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from megashard.train.lifeline import die_with_parent
+    from megashard.launch.lifeline import die_with_parent
     print(die_with_parent(method=sys.argv[1], interval=0.1), flush=True)
     time.sleep(60)
 """)
@@ -64,7 +64,7 @@ def test_child_dies_with_its_parent(method):
 def test_parent_that_died_before_the_lifeline_was_armed():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer runs: the "expected parent" of a child re-parented before arming
-    code = f"from megashard.train.lifeline import die_with_parent; die_with_parent({dead.pid}); import time; time.sleep(30)"
+    code = f"from megashard.launch.lifeline import die_with_parent; die_with_parent({dead.pid}); import time; time.sleep(30)"
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60)
     assert p.returncode == -15 and time.monotonic() - t0 < 20  # SIGTERM at once, not after the sleep
@@ -72,7 +72,7 @@ def test_parent_that_died_before_the_lifeline_was_armed():
 
 def test_expected_parent_alive_elsewhere_is_not_a_death():
     # An inherited pid variable that names some other live process (here: the test itself) must not kill the child.
-    code = (f"from megashard.train.lifeline import die_with_parent; print(die_with_parent({os.getpid()}))")
+    code = (f"from megashard.launch.lifeline import die_with_parent; print(die_with_parent({os.getpid()}))")
     p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() in ("prctl", "watchdog")
 

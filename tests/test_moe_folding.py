@@ -89,7 +89,7 @@ def check_hsdp_ep2(rank, world_size):
     """HSDP (dp_outer=2 × dp_shard=2) with ep=2: experts shard inside a replica and replicate across replicas."""
     import torch.distributed as dist
 
-    from megashard.train.parallelize import expert_shard_axis, local_tensor
+    from megashard.models.parallelize import expert_shard_axis, local_tensor
 
     shapes = {}
 

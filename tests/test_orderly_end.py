@@ -5,7 +5,7 @@ A gloo thread alive during interpreter shutdown that needs the GIL (to drop its 
 last collective) is killed inside a C++ destructor: "terminate called without an active exception", SIGABRT —
 rank 1 "failed" after the final save while rank 0 still drew loss.png (starving the other ranks' gloo threads
 of CPU), and torchrun restarted the finished job. Here rank 0's report is delayed (injected from the test) and
-both ranks are checked right after ``megashard.train.worker.main`` returns.
+both ranks are checked right after ``megashard.launch.worker.main`` returns.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _backend_threads() -> list[str]:
 
 def check_delayed_rank0_report_then_orderly_end(rank, world_size):
     import megashard.train.loop as loop
-    from megashard.train import worker
+    from megashard.launch import worker
 
     out = os.environ[OUT_ENV]
     marker = os.path.join(out, "report-done")

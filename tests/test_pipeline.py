@@ -86,7 +86,7 @@ def _grads(tag: str, overrides: list[str]) -> None:
     from megashard.state.rng import model_parallel_manual_seed
     from megashard.train.data import Batches
     from megashard.train.loop import _forward_backward, build, full_gradients
-    from megashard.train.parallelize import finish_expert_grads
+    from megashard.models.parallelize import finish_expert_grads
 
     job = _job(tag, overrides)
     state = ms.initialize(job.parallel)
@@ -99,7 +99,7 @@ def _grads(tag: str, overrides: list[str]) -> None:
                        device=current_device(state.device_type))
         x, y = data.batch(0)
         if state.size("pp") > 1:
-            from megashard.train.pipeline import Pipeline
+            from megashard.models.pipeline import Pipeline
 
             Pipeline(job, state, model).step(x, y, 0)
         else:
@@ -199,7 +199,7 @@ def check_a_silent_stage_is_named(rank, world_size):
     import megashard.state as ms
     from megashard.errors import PipelineError
     from megashard.train.loop import build
-    from megashard.train.pipeline import Pipeline
+    from megashard.models.pipeline import Pipeline
 
     job = _job("silent", PP2 + F64 + ["parallel.timeout=3"])
     state = ms.initialize(job.parallel)

@@ -95,7 +95,7 @@ def check_cp2_step_without_deprecated_collectives(rank, world_size):
     import megashard.state as ms
     from megashard.config import ParallelConfig
     from megashard.train.config import JobConfig
-    from megashard.train.layers import _all_gather, gather_seq
+    from megashard.models.layers import _all_gather, gather_seq
     from megashard.train.loop import train
 
     with warnings.catch_warnings():

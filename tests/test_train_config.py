@@ -77,7 +77,7 @@ def test_gpu_5d_config_uses_every_dimension(capsys):
     """configs/gpu-5d.yaml: every axis > 1, validated for its 32 ranks; plan shows its stages and experts; the
     launch command is built from Slurm's variables (the run itself needs 4 nodes of GPUs)."""
     from megashard import cli
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     path = os.path.join(ROOT, "configs", "gpu-5d.yaml")
     j = job(path=path)
@@ -154,12 +154,12 @@ def test_scientific_notation_without_a_dot_is_a_float():
 
 # ---------------------------------------------------------------------------------------------- launcher
 def test_single_node_command_is_torchrun_standalone():
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     p = plan_launch(DEFAULT, ["train.steps=3"], env={})
     assert p.command == [
-        sys.executable, "-m", "megashard.train.agent", "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
-        "--monitor-interval", "0.5", "-m", "megashard.train.worker", "runs/default/config.yaml", "--name", "default",
+        sys.executable, "-m", "megashard.launch.agent", "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
+        "--monitor-interval", "0.5", "-m", "megashard.launch.worker", "runs/default/config.yaml", "--name", "default",
     ]
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p.env["OMP_NUM_THREADS"] >= "1"
     assert p.env["PYTHONWARNINGS"] == "ignore:Failed to initialize NumPy"
@@ -169,7 +169,7 @@ def test_single_node_command_is_torchrun_standalone():
 
 
 def test_multi_node_needs_an_endpoint_and_passes_rendezvous_options():
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     with pytest.raises(ConfigError, match="launch.nnodes=2 needs launch.rdzv_endpoint"):
         plan_launch(DEFAULT, ["launch.nnodes=2", "parallel.dp_shard=4"], env={})
@@ -187,7 +187,7 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLUR
 
 
 def test_slurm_variables_fill_nodes_and_rendezvous():
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     gpu = os.path.join(ROOT, "configs", "gpu-tp-fsdp-cp.yaml")
     with pytest.raises(ConfigError, match="rdzv_endpoint"):
@@ -206,7 +206,7 @@ def test_slurm_variables_fill_nodes_and_rendezvous():
 
 
 def test_slurm_without_job_step_warns():
-    from megashard.train.launch import plan_launch
+    from megashard.launch.launcher import plan_launch
 
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     notes = plan_launch(DEFAULT, ["parallel.dp_shard=4"], env=env).notes
@@ -218,7 +218,7 @@ def test_slurm_without_job_step_warns():
     ("x[10,2]", "x10"),
 ])
 def test_first_host_of_a_slurm_nodelist(nodelist, first):
-    from megashard.train.launch import first_host
+    from megashard.launch.launcher import first_host
 
     assert first_host(nodelist) == first
 
@@ -228,8 +228,8 @@ def test_cli_dry_run_prints_the_command(capsys):
 
     assert cli.main(["run", DEFAULT, "train.steps=3", "--dry-run"]) == 0
     out, err = capsys.readouterr()
-    assert out.strip().endswith("-m megashard.train.worker runs/default/config.yaml --name default")
-    assert "megashard.train.agent --standalone --nproc-per-node 4" in out
+    assert out.strip().endswith("-m megashard.launch.worker runs/default/config.yaml --name default")
+    assert "megashard.launch.agent --standalone --nproc-per-node 4" in out
     assert "4 processes (1 node(s) × 4), tp=2, dp_shard=2, 3 steps" in err
 
 

@@ -148,7 +148,7 @@ def _processes_with(marker: str) -> list[tuple[int, str]]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
 def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_lock(tmp_path):
-    from megashard.train.ckptlock import LOCK_NAME, read_holder
+    from megashard.launch.ckptlock import LOCK_NAME, read_holder
 
     out = str(tmp_path / "killed")  # unique: in the command line of the launcher, torchrun and every worker
     args = ["train.steps=100000", f"train.out_dir={out}", "checkpoint.interval=0", "checkpoint.save_final=false",
@@ -163,7 +163,7 @@ def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_
             assert time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.2)
         running = _processes_with(out)
-        assert len(running) == 6, running  # megashard run, torchrun (megashard.train.agent), 4 workers
+        assert len(running) == 6, running  # megashard run, torchrun (megashard.launch.agent), 4 workers
         os.killpg(launcher.pid, signal.SIGKILL)  # torchrun starts its workers in sessions of their own
         launcher.wait()
         t0 = time.monotonic()
@@ -187,7 +187,7 @@ def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_
 
 def test_a_checkpoint_directory_held_by_a_live_job_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
     from megashard import cli
-    from megashard.train.ckptlock import CheckpointLock
+    from megashard.launch.ckptlock import CheckpointLock
 
     def no_launch(*a, **k):  # pragma: no cover - reached only if the lock let the run through
         raise AssertionError("torchrun was started although another job holds the checkpoint directory")

@@ -185,7 +185,7 @@ def test_consolidated_job_checkpoint_holds_model_and_optim(runs, tmp_path, capsy
     assert set(full["optim"]) == {f"{n}.{k}" for n in want for k in ("exp_avg", "exp_avg_sq", "step")}
     assert all(float(full["optim"][f"{n}.step"]) == 6.0 for n in want)
     from megashard.train.config import JobConfig
-    from megashard.train.model import GPT
+    from megashard.models.gpt.model import GPT
 
     plain = GPT(JobConfig.from_yaml(DEFAULT, BASE).model)  # no process groups: a plain module
     plain.load_state_dict(full["model"])  # strict: every parameter, nothing else

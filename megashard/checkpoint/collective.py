@@ -6,7 +6,7 @@ step of :func:`~megashard.checkpoint.saving.save` and :func:`~megashard.checkpoi
 in :func:`agree`: each rank hands in its value and its error (if any), and either every rank gets the
 values or every rank raises the error of the lowest failing rank — its own exception on that rank,
 a copy prefixed ``(raised on rank r)`` on the others (so a launcher prints it once, see
-:mod:`megashard.train.worker`).
+:mod:`megashard.launch.worker`).
 
 Errors cross ranks pickled and callers catch megashard's error classes, so anything that is not a
 :class:`~megashard.errors.MegashardError` is raised as a :class:`~megashard.errors.CheckpointError`

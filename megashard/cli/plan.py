@@ -246,7 +246,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg = render_svg(layout, names, args.rank, args.ranks_per_node, args.svg_max_ranks, report)
     placement = None
     if job is not None:
-        from megashard.train.stages import format_placement, model_placement
+        from megashard.models.stages import format_placement, model_placement
 
         placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
         plan["model_placement"] = placement

@@ -1,5 +1,5 @@
 """``megashard run CONFIG``: validate the example job in this process, then train it through torchrun
-(:mod:`megashard.train.launch`)."""
+(:mod:`megashard.launch.launcher`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
         description=(
             "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
-            "process, then start the job with PyTorch's elastic launcher (python -m megashard.train.agent: "
+            "process, then start the job with PyTorch's elastic launcher (python -m megashard.launch.agent: "
             "torch.distributed.run with one-line failure reports; it and the workers die with this launcher): "
             "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
             "Slurm variables when present. Rank 0 shows a progress bar; outputs go to train.out_dir "
@@ -38,6 +38,6 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from megashard.train.launch import run
+    from megashard.launch.launcher import run
 
     return run(args.config, args.overrides, dry_run=args.dry_run)

@@ -5,7 +5,7 @@ directory, completion marker, rename; see :mod:`megashard.checkpoint.safety`), s
 saving resumes from the previous complete one.
 
 What is stored is layout-independent: every parameter and AdamW moment as a DTensor of the *global*
-tensor (see :func:`megashard.train.parallelize.global_dtensor`: this rank's FSDP shard of its TP slice,
+tensor (see :func:`megashard.models.parallelize.global_dtensor`: this rank's FSDP shard of its TP slice,
 placed on ``state.fsdp_mesh``), plus AdamW's step count, in the checkpoint's sections ``model``
 (parameter name → tensor) and ``optim`` (``<name>.exp_avg``, ``<name>.exp_avg_sq``, ``<name>.step``), so
 ``megashard ckpt consolidate`` gives ``full["model"]`` that loads into a plain model. (Checkpoints of
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megashard.train.parallelize import global_dtensor, local_tensor
+from megashard.models.parallelize import global_dtensor, local_tensor
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState

@@ -119,7 +119,7 @@ class JobConfig:
     def ffn_hidden(self) -> int:
         if self.model.ffn_hidden:
             return self.model.ffn_hidden
-        from megashard.train.model import default_ffn_hidden
+        from megashard.models.gpt.model import default_ffn_hidden
 
         return default_ffn_hidden(self.model)
 

@@ -5,7 +5,7 @@
 
 The export reads the checkpoint in one process through megashard's verified reader
 (:func:`megashard.train.checkpointing.read_full_model`: every byte checked against the checksums recorded at save
-time, any saved layout), maps the tensors with the table of :mod:`megashard.train.hf` and writes safetensors shards
+time, any saved layout), maps the tensors with the table of :mod:`megashard.models.hf` and writes safetensors shards
 of at most ``max_shard_bytes`` (plus ``model.safetensors.index.json`` when there is more than one) and
 ``config.json``. The model config is the one the checkpoint records (``megashard.json``: the job's config).
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megashard.errors import CheckpointError, ConfigError, require_extra
-from megashard.train.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
+from megashard.models.hf import HF_ARCH, check_hf_config, hf_config, hf_shapes, mapping, read_rows, to_hf
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
@@ -203,7 +203,7 @@ def load_init_from(model: torch.nn.Module, job: "JobConfig", state: "ParallelSta
     from safetensors import safe_open
 
     from megashard._compat import torch_compute_local_shape_and_global_offset
-    from megashard.train.parallelize import global_dtensor, local_tensor
+    from megashard.models.parallelize import global_dtensor, local_tensor
 
     root = job.model.init_from
     entries = {e.name: e for e in mapping(job.model, job.ffn_hidden)}

@@ -113,7 +113,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
     _all_reduce(sq["expert_tp"], state, "expt_tp")
     expert = sq["expert"] + sq["expert_tp"]
     if any(getattr(p, "_expert_parallel", False) for p in params):
-        from megashard.train.parallelize import expert_shard_axis
+        from megashard.models.parallelize import expert_shard_axis
 
         _all_reduce(expert, state, "ep")
         _all_reduce(expert, state, expert_shard_axis(state))  # expert HSDP replicas are not summed
@@ -132,13 +132,13 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, state: Par
 def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The parallelized model (initialised from the seed) and its AdamW, for the current layout.
 
-    With ``pp > 1`` the model is a :class:`~megashard.train.pipeline.PipelineModel` of this rank's stages
-    (:func:`megashard.train.stages.stage_specs`), each sharded with FSDP2 on its own.
+    With ``pp > 1`` the model is a :class:`~megashard.models.pipeline.PipelineModel` of this rank's stages
+    (:func:`megashard.models.stages.stage_specs`), each sharded with FSDP2 on its own.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from megashard.train.model import GPT, ModelGroups, init_parameters
-    from megashard.train.parallelize import parallelize
+    from megashard.models.gpt.model import GPT, ModelGroups, init_parameters
+    from megashard.models.parallelize import parallelize
 
     dtype = _DTYPES[job.train.dtype]
     param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights, bf16 compute
@@ -154,8 +154,8 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
 
     pp = state.size("pp")
     if pp > 1:
-        from megashard.train.pipeline import PipelineModel
-        from megashard.train.stages import stage_specs
+        from megashard.models.pipeline import PipelineModel
+        from megashard.models.stages import stage_specs
 
         specs = stage_specs(job.model.layers, state.rank_in("pp"), pp, state.sizes.vpp or 1, job.train.pipeline_schedule)
         parts = [make(spec) for spec in specs]
@@ -181,7 +181,7 @@ def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.
 
 def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
     """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
-    from megashard.train.parallelize import global_dtensor, local_tensor
+    from megashard.models.parallelize import global_dtensor, local_tensor
 
     # Stages hold different parameters; the pp axis of each global DTensor is Replicate, so full_tensor()
     # communicates within the stage only. The stages' dicts are then shared over pp.
@@ -191,7 +191,7 @@ def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, t
 
 def full_gradients(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as the full global tensor (on every rank; collective). For tests."""
-    from megashard.train.parallelize import global_dtensor, local_tensor
+    from megashard.models.parallelize import global_dtensor, local_tensor
 
     out = {n: global_dtensor(local_tensor(p.grad.detach()), p, state).full_tensor()
            for n, p in model.named_parameters() if p.grad is not None}
@@ -261,7 +261,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
     from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
     from megashard.train.data import Batches
     from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
-    from megashard.train.parallelize import finish_expert_grads
+    from megashard.models.parallelize import finish_expert_grads
 
     ms.init_distributed(job.parallel)
     # Every rank must run the same job: checked in the first collective, before any other group exists.
@@ -308,7 +308,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         params = list(model.parameters())
         pipe = None
         if sizes.pp > 1:
-            from megashard.train.pipeline import Pipeline
+            from megashard.models.pipeline import Pipeline
 
             pipe = Pipeline(job, state, model)
         microbatches = job.microbatches(sizes.pp)
@@ -412,9 +412,9 @@ def job_fingerprint(job: JobConfig) -> dict[str, Any]:
 
 
 def _hold_checkpoint_dir(job: JobConfig) -> Any:
-    """Rank 0's lock of the checkpoint directory (:mod:`megashard.train.ckptlock`): joined when the job's
+    """Rank 0's lock of the checkpoint directory (:mod:`megashard.launch.ckptlock`): joined when the job's
     launcher holds it, taken (over, with a note, if stale) otherwise; raises if another live job holds it."""
-    from megashard.train.ckptlock import CheckpointLock, job_id_from_env
+    from megashard.launch.ckptlock import CheckpointLock, job_id_from_env
 
     lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=job_id_from_env())
     if lock.note:

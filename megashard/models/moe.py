@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
-from megashard.train.layers import all_gather_dim0, group_rank, group_size, init_spec, reduce_scatter_dim0, scaled_std
+from megashard.models.layers import all_gather_dim0, group_rank, group_size, init_spec, reduce_scatter_dim0, scaled_std
 from megashard.train.sections import ModelConfig
 
 __all__ = ["MoE", "Experts"]

@@ -4,17 +4,17 @@
 
 1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
    launch.nproc_per_node``, and the job against this machine (output directories, CUDA/NCCL, memory:
-   :mod:`megashard.train.preflight`) — a bad config fails here with exit code 2, before any process starts.
+   :mod:`megashard.launch.preflight`) — a bad config fails here with exit code 2, before any process starts.
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
-3. The checkpoint directory must not be held by another live job (:mod:`megashard.train.ckptlock`): on a
+3. The checkpoint directory must not be held by another live job (:mod:`megashard.launch.ckptlock`): on a
    single node the launcher takes its lock for the whole run; otherwise the job's rank 0 does. Then a corpus
    the config can prepare (``data.prepare_inputs``) and that is missing is tokenized, once
    (:func:`megashard.train.data.ensure_corpus`), and checked against the model.
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
-   ``sys.executable -m megashard.train.agent ... -m megashard.train.worker <out_dir>/config.yaml``
-   (:mod:`megashard.train.agent` is ``torch.distributed.run`` with short output that dies with this
+   ``sys.executable -m megashard.launch.agent ... -m megashard.launch.worker <out_dir>/config.yaml``
+   (:mod:`megashard.launch.agent` is ``torch.distributed.run`` with short output that dies with this
    launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
    config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint.
 """
@@ -100,11 +100,11 @@ def _rdzv_id(job: JobConfig) -> str:
 def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
     """The torchrun command line that runs ``config_path`` (a resolved job YAML) on this node.
 
-    ``megashard.train.agent`` takes torchrun's arguments; ``torch.distributed.run`` in its place works too
+    ``megashard.launch.agent`` takes torchrun's arguments; ``torch.distributed.run`` in its place works too
     (with torch's longer failure output and no lifeline for torchrun itself).
     """
     la = job.launch
-    cmd = [sys.executable, "-m", "megashard.train.agent"]
+    cmd = [sys.executable, "-m", "megashard.launch.agent"]
     if la.nnodes == 1 and not la.rdzv_endpoint:
         cmd.append("--standalone")  # a private c10d store on a free port
     else:
@@ -115,7 +115,7 @@ def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
             cmd += ["--node-rank", str(la.node_rank)]
     cmd += ["--nproc-per-node", str(la.nproc_per_node), "--max-restarts", str(la.max_restarts),
             "--monitor-interval", str(la.monitor_interval),
-            "-m", "megashard.train.worker", config_path, "--name", job.name]
+            "-m", "megashard.launch.worker", config_path, "--name", job.name]
     return cmd
 
 
@@ -186,7 +186,7 @@ def _write_config(job: JobConfig, path: str) -> None:
 
 def lock_id(job: JobConfig) -> str:
     """The job id in the checkpoint lock: this launcher on one node, the rendezvous id on several."""
-    from megashard.train.lifeline import hostname
+    from megashard.launch.lifeline import hostname
 
     return f"{hostname()}:{os.getpid()}" if job.launch.nnodes == 1 else f"rdzv:{_rdzv_id(job)}"
 
@@ -194,7 +194,7 @@ def lock_id(job: JobConfig) -> str:
 def _hold_checkpoint_dir(job: JobConfig):
     """On a single node take the checkpoint directory's lock for the run (returned; CheckpointLockedError if a
     live job holds it), on several leave it to the job's rank 0 (None)."""
-    from megashard.train.ckptlock import CheckpointLock
+    from megashard.launch.ckptlock import CheckpointLock
 
     if job.launch.nnodes > 1:
         return None  # checked in run(); a launcher per node cannot hold one lock
@@ -219,13 +219,13 @@ def _exit_on_sigterm():
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) -> int:
     """Validate and launch; returns the exit code (0 ok, 1 the job failed, 2 a bad config raised as ConfigError,
     or a checkpoint directory held by another live job raised as CheckpointLockedError)."""
-    from megashard.train.preflight import check_job_here
+    from megashard.launch.preflight import check_job_here
 
     plan = plan_launch(config, overrides)
     job, s = plan.job, plan.sizes
     check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
-        from megashard.train.ckptlock import check_free
+        from megashard.launch.ckptlock import check_free
         from megashard.train.data import check_corpus, ensure_corpus
 
         # Refuse before anything is printed or written (one line); the lock is taken below.
@@ -261,7 +261,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     previous = _exit_on_sigterm()
     try:
         sys.stderr.flush()
-        # The lifelines of torchrun (megashard.train.agent) and of the workers hang on these pids.
+        # The lifelines of torchrun (megashard.launch.agent) and of the workers hang on these pids.
         env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job)}
         proc = subprocess.run(plan.command, env=env)
     except KeyboardInterrupt:  # torchrun got the signal too and stops its workers

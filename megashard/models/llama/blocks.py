@@ -1,6 +1,6 @@
 """The Llama-style parts of the example model (``model.arch: llama``): RMSNorm, rotary positions, SwiGLU.
 
-:class:`megashard.train.model.GPT` builds either architecture from the same tensor-parallel layers; with
+:class:`megashard.models.gpt.model.GPT` builds either architecture from the same tensor-parallel layers; with
 ``arch: llama`` its blocks use :class:`RMSNorm` instead of LayerNorm, :class:`SwiGLU` instead of the GELU
 MLP, no biases, and :class:`Rotary` position embeddings applied to queries and keys instead of learned
 positions. The conventions are Hugging Face's ``LlamaForCausalLM`` ones (``rotate_half`` pairs dimension
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import set_tensor_model_parallel_attributes
-from megashard.train.layers import ColumnParallelLinear, RowParallelLinear, init_spec, scaled_std
+from megashard.models.layers import ColumnParallelLinear, RowParallelLinear, init_spec, scaled_std
 
 __all__ = ["RMSNorm", "Rotary", "SwiGLU", "llama_ffn_hidden"]
 

@@ -1,6 +1,6 @@
 """FSDP2 over megashard's meshes, and the layout-independent view of the sharded model.
 
-:func:`parallelize` shards the TP-local parameters of a :class:`~megashard.train.model.GPT` with
+:func:`parallelize` shards the TP-local parameters of a :class:`~megashard.models.gpt.model.GPT` with
 ``fully_shard`` over ``state.fully_shard_mesh`` (``dp_shard_cp``; ``(dp_outer, dp_shard_cp)`` = HSDP),
 block by block, and the experts of MoE blocks over ``expt_dp``. FSDP replaces every parameter by a
 DTensor on the data-parallel mesh only, so the TP attributes (and megashard's ``_global_shape``,
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, state: ParallelState, *, mp_policy: Optional[A
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from megashard.train.moe import MoE
+    from megashard.models.moe import MoE
 
     attrs = _saved_attrs(model)
     mp = mp_policy or MixedPrecisionPolicy()

@@ -15,7 +15,7 @@ function            forward                     backward
 ==================  ==========================  ============================
 
 Every parameter records its *global* shape and how to initialise it (:func:`init_spec`), so
-:func:`megashard.train.model.init_parameters` can draw the full tensor from the seed on every rank and
+:func:`megashard.models.gpt.model.init_parameters` can draw the full tensor from the seed on every rank and
 keep this rank's slice: the initial model does not depend on the layout.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from megashard.errors import CheckpointLockedError
-from megashard.train.lifeline import hostname, pid_alive, process_start_time
+from megashard.launch.lifeline import hostname, pid_alive, process_start_time
 
 __all__ = ["LOCK_NAME", "HEARTBEAT_S", "STALE_AFTER_S", "LockHolder", "CheckpointLock", "read_holder",
            "check_free", "job_id_from_env"]

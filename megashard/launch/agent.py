@@ -1,9 +1,9 @@
-"""torchrun as ``megashard run`` starts it: ``python -m megashard.train.agent <torchrun arguments>``.
+"""torchrun as ``megashard run`` starts it: ``python -m megashard.launch.agent <torchrun arguments>``.
 
 The same elastic agent as ``python -m torch.distributed.run`` (same arguments, same rendezvous, restarts
 and worker environment), with three differences:
 
-- **it dies with its launcher**: the lifeline of :mod:`megashard.train.lifeline` is armed first thing
+- **it dies with its launcher**: the lifeline of :mod:`megashard.launch.lifeline` is armed first thing
   (parent = ``MEGASHARD_LAUNCHER_PID``), and the workers get theirs from ``MEGASHARD_AGENT_PID``;
 - **short output**: torch's elastic log lines ("Sending process … closing signal SIGTERM", "failed
   (exitcode: 1) …", the final ``ChildFailedError`` traceback) are replaced by one line per event::
@@ -141,7 +141,7 @@ def _quiet_torchrun_logs(reporter: logging.Handler) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megashard.train.lifeline import die_with_parent, env_pid, hostname
+    from megashard.launch.lifeline import die_with_parent, env_pid, hostname
 
     die_with_parent(env_pid("MEGASHARD_LAUNCHER_PID"))
     os.environ["MEGASHARD_AGENT_PID"] = str(os.getpid())  # the workers' lifeline

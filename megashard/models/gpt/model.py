@@ -8,11 +8,11 @@ Per block (pre-LayerNorm): ``x + Attention(LN(x))`` then ``x + MLP(LN(x))``. Att
 column-parallel projection (rows ordered head by head, so a contiguous TP split gives each rank whole
 heads), scaled-dot-product attention (its dropout inside the model-parallel RNG fork), row-parallel
 output projection. MLP: column-parallel ``hidden → ffn``, GELU, row-parallel ``ffn → hidden`` — or an
-MoE layer (:mod:`megashard.train.moe`). Embedding: vocabulary-parallel; LM head: column-parallel with
+MoE layer (:mod:`megashard.models.moe`). Embedding: vocabulary-parallel; LM head: column-parallel with
 a vocabulary-parallel cross entropy (the logits are never gathered); ``model.tie_embeddings`` uses the
 embedding table as the head's weight. With context parallelism each rank holds a contiguous chunk of the
 sequence and all-gathers keys and values over ``cp``. ``arch: llama`` swaps in RMSNorm, rotary positions
-and a SwiGLU MLP without biases (:mod:`megashard.train.llama`).
+and a SwiGLU MLP without biases (:mod:`megashard.models.llama.blocks`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megashard.tensors.tp_attrs import get_mcore_tensor_parallel_partition_dim, set_tensor_model_parallel_attributes
-from megashard.train.layers import (
+from megashard.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -42,7 +42,7 @@ from megashard.train.sections import ModelConfig
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
-    from megashard.train.stages import StageSpec
+    from megashard.models.stages import StageSpec
 
 __all__ = ["GPT", "ModelGroups", "init_parameters", "param_init_seed", "default_ffn_hidden"]
 
@@ -81,7 +81,7 @@ def _replicated(p: nn.Parameter, kind: str, std: float = 0.0) -> nn.Parameter:
 def _norm(cfg: ModelConfig, dtype: torch.dtype, device: Any) -> nn.Module:
     """LayerNorm (``gpt``) or RMSNorm (``llama``) over the hidden dim, replicated over tp."""
     if cfg.arch == "llama":
-        from megashard.train.llama import RMSNorm
+        from megashard.models.llama.blocks import RMSNorm
 
         return RMSNorm(cfg.hidden, cfg.norm_eps, dtype, device)
     ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, dtype=dtype, device=device)
@@ -156,11 +156,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg, groups, dtype, device, rotary)
         self.ln2 = _norm(cfg, dtype, device)
         if moe:  # experts of the architecture's MLP kind (GELU or SwiGLU)
-            from megashard.train.moe import MoE
+            from megashard.models.moe import MoE
 
             self.mlp: nn.Module = MoE(cfg, ffn, groups, dtype, device)
         elif cfg.arch == "llama":
-            from megashard.train.llama import SwiGLU
+            from megashard.models.llama.blocks import SwiGLU
 
             self.mlp = SwiGLU(cfg.hidden, ffn, cfg.layers, cfg.init_std, groups.tp, dtype, device)
         else:
@@ -189,7 +189,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The model: ``forward(ids, targets) -> mean loss`` over this rank's tokens (``ids``, ``targets``: ``[b, s/cp]``).
 
-    ``stage`` (a :class:`~megashard.train.stages.StageSpec`) builds one pipeline stage instead: the embeddings only
+    ``stage`` (a :class:`~megashard.models.stages.StageSpec`) builds one pipeline stage instead: the embeddings only
     on the first, the final norm and LM head only on the last (plus a copy of a tied embedding table), and the
     blocks ``stage.layers`` under their global names (``blocks.<i>``).
     """
@@ -215,7 +215,7 @@ class GPT(nn.Module):
                 self.embed.weight._tied_copy = True  # counted once by the gradient norm (on the first stage)
         rotary = None
         if cfg.arch == "llama":
-            from megashard.train.llama import Rotary
+            from megashard.models.llama.blocks import Rotary
 
             rotary = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta, device=device)
         elif first:
@@ -269,7 +269,7 @@ class GPT(nn.Module):
 def default_ffn_hidden(cfg: ModelConfig) -> int:
     """MLP size when ``model.ffn_hidden`` is null: 4 · hidden (``gpt``), 8/3 · hidden rounded up to 64 (``llama``)."""
     if cfg.arch == "llama":
-        from megashard.train.llama import llama_ffn_hidden
+        from megashard.models.llama.blocks import llama_ffn_hidden
 
         return llama_ffn_hidden(cfg.hidden)
     return 4 * cfg.hidden

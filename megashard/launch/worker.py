@@ -1,13 +1,13 @@
-"""Entry point of every process torchrun starts: ``python -m megashard.train.worker RESOLVED_CONFIG.yaml``.
+"""Entry point of every process torchrun starts: ``python -m megashard.launch.worker RESOLVED_CONFIG.yaml``.
 
 ``megashard run`` writes the job's fully resolved config (overrides applied) to ``<out_dir>/config.yaml``
 and launches this module, so every attempt after a restart reads exactly the same job.
 
-The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.train.lifeline`) and ends with
+The worker arms its lifeline first (it dies with torchrun: :mod:`megashard.launch.lifeline`) and ends with
 :func:`megashard.state.end_distributed` (pooled groups, then the default group, before Python shuts down). A worker whose
-collective fails only because another worker died (:func:`megashard.train.agent.is_peer_loss`) prints
+collective fails only because another worker died (:func:`megashard.launch.agent.is_peer_loss`) prints
 nothing: it waits to be stopped by torchrun, which reports the failure in one line, and otherwise exits
-with :data:`~megashard.train.agent.EXIT_PEER_LOST`.
+with :data:`~megashard.launch.agent.EXIT_PEER_LOST`.
 """
 from __future__ import annotations
 
@@ -33,17 +33,17 @@ def _prints(e: BaseException, mismatch: type) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megashard.train.lifeline import die_with_parent, env_pid
+    from megashard.launch.lifeline import die_with_parent, env_pid
 
     die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # before the slow imports
     from megashard.errors import MegashardError, RankMismatchError, error_line
-    from megashard.train.agent import EXIT_PEER_LOST, is_peer_loss
+    from megashard.launch.agent import EXIT_PEER_LOST, is_peer_loss
     from megashard.train.config import JobConfig
     from megashard.train.loop import train
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 1:
-        print("usage: python -m megashard.train.worker CONFIG.yaml [key=value ...]", file=sys.stderr)
+        print("usage: python -m megashard.launch.worker CONFIG.yaml [key=value ...]", file=sys.stderr)
         return 2
     name = None
     if "--name" in args:

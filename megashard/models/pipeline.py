@@ -1,12 +1,12 @@
 """Pipeline parallelism of the training job on PyTorch's engine (``torch.distributed.pipelining``).
 
-    model = PipelineModel(parts)                 # this rank's stage modules (megashard.train.stages decides which)
+    model = PipelineModel(parts)                 # this rank's stage modules (megashard.models.stages decides which)
     pipe = Pipeline(job, state, model)           # PipelineStage per part over state.group("pp"); PyTorch's schedule
     loss = pipe.step(x, y)                       # forward + backward of every microbatch; this dp rank's mean loss
 
-Each part is a :class:`~megashard.train.model.GPT` built for one :class:`~megashard.train.stages.StageSpec`
+Each part is a :class:`~megashard.models.gpt.model.GPT` built for one :class:`~megashard.models.stages.StageSpec`
 (embeddings on the first stage; final norm, LM head and loss on the last) and sharded with FSDP2 by
-:func:`~megashard.train.parallelize.parallelize`. The schedule (``train.pipeline_schedule``) splits this rank's
+:func:`~megashard.models.parallelize.parallelize`. The schedule (``train.pipeline_schedule``) splits this rank's
 ``[B/dp, s/cp]`` batch into ``train.microbatches`` microbatches; each microbatch loss is a token mean and the
 schedule divides the gradients by the number of microbatches, so the gradient is that of the mean loss — the
 same as one process on the whole batch. Tied embeddings: the first and last stage each hold ``embed.weight``;
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megashard.errors import PipelineError
-from megashard.train.stages import PIPELINE_SCHEDULES, schedule_is_multi
+from megashard.models.stages import PIPELINE_SCHEDULES, schedule_is_multi
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
@@ -50,7 +50,7 @@ class PipelineModel(nn.Module):
             yield from part.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def forward(self, *args: Any) -> Any:  # pragma: no cover - a pipeline runs through Pipeline.step
-        raise RuntimeError("a PipelineModel runs through megashard.train.pipeline.Pipeline.step, not model(...)")
+        raise RuntimeError("a PipelineModel runs through megashard.models.pipeline.Pipeline.step, not model(...)")
 
 
 def embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:

@@ -1,0 +1,1 @@
+"""Llama (``model.arch: llama``): its blocks (:mod:`.blocks`: RMSNorm, rotary positions, SwiGLU)."""
