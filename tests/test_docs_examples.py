@@ -111,6 +111,8 @@ def _classify(where: str, line: str, error: str | None) -> list[tuple[Example | 
             out.append((None, "slurm"))
         elif argv and argv[0] == "mkdir":  # a directory an example writes into: made in the scratch directory
             out.append((Example(where, argv, error), None))
+        elif argv and argv[0] in ("torchrun", ".venv/bin/torchrun"):  # a script of examples/ under torchrun
+            out.append((Example(where, ["torchrun", *argv[1:]], error), None))
         elif argv and argv[0] in ("megashard", ".venv/bin/megashard"):
             out.append((Example(where, argv[1:], error), None))
         elif argv[1:3] == ["-m", "megashard"]:
@@ -199,6 +201,24 @@ def check_train_default_one_step(rank, world_size):
         train(job)
 
 
+def _run_torchrun_example(ex: Example) -> None:
+    """A script of examples/ under torchrun (as ``python -m torch.distributed.run``), from the repository root:
+    exit 0, and the script's own check against a single process printed."""
+    import subprocess
+    import sys
+
+    if "cuda" in ex.argv:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(SKIPPED["cuda"])
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", *ex.argv[1:]], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{ex.where}: {' '.join(ex.argv)} exited {p.returncode}\n{p.stderr[-3000:]}"
+    assert "on one process" in p.stdout and "disagree" not in p.stdout + p.stderr, (ex.where, p.stdout)
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A directory to run the examples from: configs/, README.md, docs/, a step-100 checkpoint where the docs look,
@@ -253,6 +273,9 @@ def test_example_runs_as_written(ex, scratch, monkeypatch, capsys):
     from megashard.cli import main
 
     argv = list(ex.argv)
+    if argv[0] == "torchrun":
+        _run_torchrun_example(ex)
+        return
     if argv[0] == "mkdir":
         for path in argv[1:]:
             if not path.startswith("-"):
