@@ -4,8 +4,8 @@ Examples are the lines of ```bash blocks and ``$ ``-prefixed lines of other (non
 ``  megashard ...`` (and ``  mkdir -p ...``) lines of every ``--help`` epilog and the ``#   megashard ...`` lines
 of configs/*.yaml (``mkdir -p DIR && megashard ...`` too). Cheap ones run in this process from a scratch directory
 holding ``configs/``, ``README.md``, ``docs/``, a checkpoint made here (``out/ckpt``, ``out/checkpoints``, each with
-``step_00000100``), a checkpoint of the default job trained here for one step (``runs/default/checkpoints``: what
-``ckpt export-hf`` exports), the user's inputs the data examples name (``notes.txt``,
+``step_00000100``), the default job trained here for one step on two ranks (``runs/default``: its checkpoints, what
+``ckpt export-hf`` exports, and its hang-doctor records), the user's inputs the data examples name (``notes.txt``,
 ``web.jsonl``, ``books/**/*.txt``) and a corpus prepared from them (``data/corpus``): ``plan``, ``run --dry-run``,
 ``ckpt``, ``data``, ``--help``. An example followed by a documented ``megashard X: error: ...`` line must fail with
 exit code 2 and that message. Training examples are not run here (test_train_launch.py trains the
@@ -187,7 +187,8 @@ def check_save_step_100(rank, world_size):
 
 
 def check_train_default_one_step(rank, world_size):
-    """The default job, one rank, one step: a checkpoint with the job's config (``ckpt export-hf`` reads it)."""
+    """The default job, two ranks (tp=2), one step: a checkpoint with the job's config (``ckpt export-hf`` reads it)
+    and the hang doctor's records (``megashard doctor runs/default`` reads them; a job of one rank has none)."""
     import contextlib
     import io
 
@@ -195,7 +196,7 @@ def check_train_default_one_step(rank, world_size):
     from megashard.train.loop import train
 
     job = JobConfig.from_yaml(os.path.join(ROOT, "configs", "default.yaml"), [
-        "parallel.tp=1", "launch.nproc_per_node=1", "train.steps=1", "train.progress=false", "train.plot=false",
+        "parallel.tp=2", "parallel.dp_shard=1", "launch.nproc_per_node=2", "train.steps=1", "train.progress=false", "train.plot=false",
         f"train.out_dir={os.environ[CKPT_ENV]}"])
     with contextlib.redirect_stderr(io.StringIO()):
         train(job)
@@ -235,7 +236,7 @@ def scratch(tmp_path_factory):
     try:
         spawn_checks([check_save_step_100], world_size=1).assert_ok("check_save_step_100")
         os.environ[CKPT_ENV] = str(d / "runs" / "default")  # the README's path: the default job's checkpoints
-        spawn_checks([check_train_default_one_step], world_size=1).assert_ok("check_train_default_one_step")
+        spawn_checks([check_train_default_one_step], world_size=2).assert_ok("check_train_default_one_step")
     finally:
         os.environ.pop(CKPT_ENV, None)
     shutil.copytree(d / "out" / "ckpt", d / "out" / "checkpoints")  # the epilogs' path
