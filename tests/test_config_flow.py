@@ -75,7 +75,8 @@ def test_plan_parses_validates_and_resolves_once(capsys):
         code = main(["plan", DEFAULT, "--world-size", "16", "parallel.pp=2"])
     out, _ = capsys.readouterr()
     assert code == 0 and "— 16 ranks" in out
-    assert dict(counts) == {"parse": 1, "validate": 1, "resolve": 1}  # plan checks sections, not the job's sizes
+    # plan checks the job as `run` would (to warn of what run refuses), with the sizes it resolved: once each
+    assert dict(counts) == {"parse": 1, "validate": 1, "resolve": 1, "job.validate": 1}
 
 
 # ---------------------------------------------------------------------------------------------- one worker

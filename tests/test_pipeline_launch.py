@@ -46,7 +46,7 @@ def test_a_killed_pipeline_job_resumes_and_matches_the_uninterrupted_run(launche
     assert "pp=2" in plain.stderr, _explain(plain)
     assert fault.returncode == 0, _explain(fault)
     assert "rank 3: injected failure after step 3" in fault.stderr, _explain(fault)
-    assert "step_00000002 (step 2)" in fault.stderr, _explain(fault)
+    assert "megashard run: resumed from step 2 (" in fault.stderr and "step_00000002), data position restored" in fault.stderr, _explain(fault)
     assert "Traceback" not in fault.stderr, _explain(fault)
     want = read_metrics(os.path.join(tmp, "plain", "metrics.jsonl"))
     got = read_metrics(os.path.join(tmp, "fault", "metrics.jsonl"))

@@ -35,8 +35,8 @@ def _doing(rec: Optional[Mapping[str, Any]], alive: Optional[bool]) -> str:
     where = f"last: {describe_call(last)}, step {rec.get('step', '?')}"
     if rec.get("state") in ("exited", "failed"):
         return f"its process {'ended' if rec['state'] == 'exited' else 'failed'} ({where})"
-    if alive is False:
-        return f"{NO_HEARTBEAT} ({where})"
+    if alive is False:  # a record without a collective is the one published at start: nothing newer came
+        return f"{NO_HEARTBEAT} ({where})" if last else f"{NO_HEARTBEAT}; no record since it started"
     opened = rec.get("open") or []
     if opened:
         c = opened[0]

@@ -172,6 +172,14 @@ def evaluate(model: torch.nn.Module, data: Any, batches: int, state: ParallelSta
         x, y = data.valid_batch(k)
         total += (pipe.eval_loss(x, y) if pipe is not None else model(x, y)).detach().to(torch.float64)
     model.train()
+    # A forward without backward leaves the modules that keep their parameters gathered after forward (the last
+    # block, the root: reshard_after_forward=False) unsharded: shard them again, or the next checkpoint would read
+    # full tensors as local shards.
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     _all_reduce(total, state, "dp_cp")
     return float(total) / (batches * state.size("dp") * state.size("cp"))
 
