@@ -10,8 +10,8 @@ in the ``torch.distributed`` namespace *and* in ``torch.distributed.distributed_
 2. count the call on the group (:meth:`Ledger.begin <megashard.doctor.ledger.Ledger.begin>`: an integer and a small
    object, no store, no lock), call torch, and close it when it returns — an ``async_op=True`` call (and
    ``isend``/``irecv``/``batch_isend_irecv``) stays open until the background thread sees its Work
-   ``is_completed()``; on NCCL a synchronous call is only enqueued when it returns, so a CUDA event recorded after it
-   tells when it finished;
+   ``is_completed()`` or the caller's ``Work.wait()`` returns (wrapped too: the Work is let go at once); on NCCL a
+   synchronous call is only enqueued when it returns, so a CUDA event recorded after it tells when it finished;
 3. when torch raises (gloo's timeout, a peer that died), let the doctor diagnose before the error goes on.
 
 Calls made *inside* a wrapped call (``all_gather_object`` → ``all_gather``; ``batch_isend_irecv`` → ``isend``) are
