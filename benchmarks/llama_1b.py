@@ -28,6 +28,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -227,6 +228,12 @@ def print_table(r: dict) -> None:
 
 
 def main(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("benchmarks/gpu.py --model llama-1b: the plain side is Hugging Face's LlamaForCausalLM; install "
+              "transformers (pip install 'megashard[hf-test]')", file=sys.stderr)
+        return 2
     r = run(steps=args.steps, warmup=args.warmup, smoke=args.smoke, backend=args.backend, device=args.device)
     print_table(r)
     out = args.out or RESULTS
