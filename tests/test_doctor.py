@@ -3,7 +3,8 @@
 Three spawns, each a real hang with a short ``parallel.timeout`` (T = 4 s): rank 2 skips an all-reduce on ``tp``
 (4 ranks); a pipeline stage of torch.distributed.pipelining stalls in user code (8 ranks, tp=2 · pp=4); a rank is
 killed with SIGKILL inside an all-reduce (4 ranks). Every waiting rank must report within T + 5 s, once, naming
-exactly the right ranks; ``megashard doctor RUN_DIR`` must print the same from the files they left.
+exactly the right ranks; ``megashard doctor RUN_DIR`` must print the same from the files they left. A fourth (2 ranks)
+checks that an asynchronous call closes at its ``Work.wait()`` and the doctor keeps no reference to its tensors.
 """
 from __future__ import annotations
 
@@ -206,6 +207,38 @@ def check_rank_killed(rank, world_size):
     _finish(d, buf, state)
 
 
+def check_waited_work_is_let_go(rank, world_size):
+    """An asynchronous call closes at its ``Work.wait()`` and the doctor keeps nothing of it: the Work holds its
+    tensors (a pipeline's activations), which must be freed when the caller drops them, not at the next poll."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    state, d, buf = _start()
+    peer = 1 - rank
+    t = torch.full((1 << 18,), float(rank))
+    ref = weakref.ref(t)
+    w = dist.isend(t, peer) if rank == 0 else dist.irecv(t, peer)
+    w.wait()
+    assert not d.ledger.open and not d.ledger.held, (d.ledger.open, d.ledger.held)
+    track = d.ledger.tracks[0]  # the default group: the doctor saw the call
+    assert (track.sent if rank == 0 else track.recvd) == {peer: 1}, (track.sent, track.recvd)
+    if rank == 1:
+        assert t[0].item() == 0.0  # received
+    del w, t
+    gc.collect()
+    assert ref() is None, "the doctor still holds the Work's tensor"
+    ops = [dist.P2POp(dist.isend, torch.ones(4), peer), dist.P2POp(dist.irecv, torch.zeros(4), peer)]
+    works = dist.batch_isend_irecv(ops if rank == 0 else ops[::-1])
+    for x in works:
+        x.wait()
+    assert not d.ledger.open and not d.ledger.held, (d.ledger.open, d.ledger.held)
+    del works, ops
+    _finish(d, buf, state)
+
+
 # ---------------------------------------------------------------------------------------------- fixtures and tests
 def _spawn(tmp_path_factory, check, world_size, name):
     run_dir = str(tmp_path_factory.mktemp(name))
@@ -274,3 +307,8 @@ def test_cli_doctor_without_records_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "no doctor records" in err[0] and "train.doctor=false" in err[0], err
     assert main(["doctor", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_a_waited_work_is_let_go_at_once(tmp_path_factory):
+    results, _ = _spawn(tmp_path_factory, check_waited_work_is_let_go, 2, "work")
+    results.assert_ok("check_waited_work_is_let_go")
