@@ -20,7 +20,8 @@ from typing import Any, Iterator, Optional
 
 from megashard.advisor.cost import Hardware, StepCost, estimate_step
 from megashard.advisor.memory import MemoryEstimate, estimate_memory
-from megashard.advisor.shape import JobShape, default_ffn
+from megashard.advisor.shape import JobShape
+from megashard.models.config import default_ffn_hidden
 from megashard.errors import ConfigError
 
 
@@ -138,7 +139,7 @@ class _Validator:
     def __init__(self, job: Any, world_size: int) -> None:
         self.job, self.world_size = job, world_size
         base = copy.copy(job)
-        ffn = job.model.ffn_hidden or default_ffn(job.model.arch, job.model.hidden)
+        ffn = job.model.ffn_hidden or default_ffn_hidden(job.model)
         base.model = dataclasses.replace(job.model, ffn_hidden=ffn, init_from=None)  # no torch import, no files
         base.data = dataclasses.replace(job.data, source="synthetic", path=None, blend=None, prepare_inputs=None)
         base.checkpoint = dataclasses.replace(job.checkpoint, load_step=None, load_path=None)

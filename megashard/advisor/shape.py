@@ -9,16 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megashard.models.config import default_ffn_hidden
+
 #: Bytes per element of ``train.dtype`` (the compute / activation dtype).
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
-
-
-def default_ffn(arch: str, hidden: int) -> int:
-    """``model.ffn_hidden: null``: 4 · hidden (gpt), 8/3 · hidden rounded up to 64 (llama) — as
-    :func:`megashard.models.gpt.model.default_ffn_hidden` (not imported: it loads torch)."""
-    if arch == "llama":
-        return -(-(8 * hidden) // (3 * 64)) * 64
-    return 4 * hidden
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ class JobShape:
     def from_job(cls, job: Any) -> "JobShape":
         m, t, d = job.model, job.train, job.data
         return cls(arch=m.arch, vocab=m.vocab_size, seq=m.seq_len, hidden=m.hidden, layers=m.layers, heads=m.heads,
-                   ffn=m.ffn_hidden or default_ffn(m.arch, m.hidden), num_experts=m.num_experts,
+                   ffn=m.ffn_hidden or default_ffn_hidden(m), num_experts=m.num_experts,
                    moe_every=m.moe_every, top_k=m.moe_top_k, tie=m.tie_embeddings, dropout=m.dropout,
                    global_batch=t.global_batch, microbatches=t.microbatches, dtype=t.dtype,
                    schedule=t.pipeline_schedule, reshard_between_microbatches=t.reshard_between_microbatches,

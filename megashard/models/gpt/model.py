@@ -38,7 +38,7 @@ from megashard.models.layers import (
     scaled_std,
     vocab_parallel_cross_entropy,
 )
-from megashard.models.config import ModelConfig, default_ffn_hidden  # noqa: F401 - default_ffn_hidden: re-exported
+from megashard.models.config import ModelConfig, default_ffn_hidden
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
