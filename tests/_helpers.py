@@ -94,3 +94,21 @@ def copy_checkpoint_step(base: str, tag: str, root: str, step: int = 5) -> str:
         shutil.copytree(os.path.join(base, tag, "checkpoints", name), os.path.join(dst, name))
     dist.barrier()
     return dst
+
+
+def processes_with(marker: str) -> list[tuple[int, str]]:
+    """Live processes (not zombies, not this one) whose command line contains ``marker``: ``(pid, command[:160])``."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if marker in cmd and not zombie and int(pid) != os.getpid():
+            found.append((int(pid), cmd[:160]))
+    return found

@@ -29,6 +29,7 @@ import time
 import pytest
 
 from megashard.checkpoint import safety
+from tests._helpers import processes_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["train.plot=false", "train.progress=false"]
@@ -59,18 +60,7 @@ def _model_of(ckpt: str) -> dict:
 
 
 def _processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if marker in cmd and not zombie and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
+    return [pid for pid, _ in processes_with(marker)]
 
 
 # ---------------------------------------------------------------------------------------------- two runs, one directory

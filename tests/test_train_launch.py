@@ -27,6 +27,8 @@ import time
 import pytest
 import torch
 
+from tests._helpers import processes_with as _processes_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=0", "train.plot=false"]
@@ -154,22 +156,6 @@ def test_a_failure_without_restarts_is_reported_in_two_lines(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- process hygiene
-def _processes_with(marker: str) -> list[tuple[int, str]]:
-    """Live processes whose command line contains ``marker`` (zombies are dead)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if marker in cmd and not zombie:
-            found.append((int(pid), cmd[:160]))
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the job's processes through /proc")
 def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_lock(tmp_path):
     from megashard.train.ckptlock import LOCK_NAME, read_holder
