@@ -1,8 +1,9 @@
-"""Where a command writes: one check of an output path before any work is done.
+"""Where megashard writes: the one place that decides whether a command may write, replace or delete a path.
 
-Every file or directory a command writes (``ckpt consolidate OUT``, ``ckpt export-hf OUT``, ``data prepare
---out PREFIX``, ``plan --svg FILE``) is checked here first, so that a bad one is one line naming the option and
-the path, exit code 2, and nothing read, computed or written:
+megashard never deletes or overwrites a file it did not make. Every file or directory a command writes
+(``megashard run``'s ``train.out_dir`` and checkpoint directory, ``ckpt consolidate OUT``, ``ckpt export-hf
+OUT``, ``data prepare --out PREFIX``, ``plan --svg FILE``) is checked here first, so that a bad one is one line
+naming the option, the path and the rule, exit code 2, and nothing read, computed or written:
 
 - an existing path of the wrong kind (a directory where a file goes, a file where a directory goes);
 - a path under a regular file (``a_file/out.pt``);
@@ -10,19 +11,59 @@ the path, exit code 2, and nothing read, computed or written:
   ``os.access`` says yes to root on read-only file systems and ``/proc``);
 - a path that is, holds or lies inside what the command reads (a checkpoint consolidated into one of its own
   files would be overwritten while it is read; ``export-hf --force`` into a directory holding the checkpoint
-  would delete it).
+  would delete it; a run directory holding the config file would get the resolved config written over it);
+- **a place megashard did not make.** A directory megashard creates for its output carries a marker file,
+  :data:`MARKER` (``{"tool": "megashard", "holds": ["run"], ...}``, see :data:`KINDS`). A command writes into a
+  directory only when it is new, empty, or megashard's (:func:`claim_dir` creates and marks it), and replaces
+  one (``export-hf --force``) only when it holds nothing but megashard's output of that kind. An existing file
+  is replaced only when the caller recognises it as megashard's own (``mine``: a corpus with megashard's
+  metadata, a ``megashard plan`` picture, a ``torch.save`` archive given ``--force``).
+
+Directories written before markers existed are recognised by their contents where the evidence is unambiguous
+(:func:`_recognised`): *every* entry is one megashard writes there, and at least one carries megashard's own
+signature (the resolved config's header line, a checkpoint's ``megashard.json`` / ``COMPLETE.json``, a
+checkpoint lock). Such a directory is marked the first time megashard writes into it again, so existing runs
+resume as before; a directory holding anything else is refused, naming what it holds.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import tempfile
-from typing import Iterable
+import time
+from typing import Callable, Iterable, Optional
 
 from megashard.errors import ConfigError
 
-__all__ = ["check_output_file", "check_output_dir"]
+__all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "claim_dir", "marker_kinds", "owner",
+           "is_torch_archive", "temp_path", "new_file_mode", "RESOLVED_CONFIG_HEADER"]
+
+#: The marker file of a directory megashard made (hidden: it does not clutter a listing or a Hugging Face export).
+MARKER = ".megashard-dir.json"
+
+#: What a marked directory holds, by kind (the marker's ``holds`` lists the kinds, a run directory that is its
+#: own checkpoint root holds two).
+KINDS = {
+    "run": "a run directory of `megashard run` (config.yaml, metrics.jsonl, checkpoints/)",
+    "checkpoints": "a checkpoint directory of megashard (step_<N>/ checkpoints)",
+    "hf-export": "a Hugging Face model directory written by `megashard ckpt export-hf`",
+}
+
+#: The first line of the resolved config `megashard run` writes to <out_dir>/config.yaml (megashard.launch.launcher).
+RESOLVED_CONFIG_HEADER = "# resolved config of megashard run "
+
+# What megashard writes in each kind of directory (names kept in step with megashard.checkpoint.safety,
+# megashard.train.ckptlock, megashard.launch.launcher and megashard.train.hf_io; tests/test_trust_round3.py checks).
+_CKPT_ENTRY = re.compile(r"^(step_\d+|\.tmp-step_\d+|\.trash-step_\d+.*|earlier-\d{8}-\d{6}(-\d+)?"
+                         r"|\.megashard\.lock(\.takeover|\..*\.tmp)?)$")
+_CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
+_RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|metrics\.jsonl|loss\.png|checkpoints|doctor)$")
+_HF_ENTRY = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
+                       r"|model\.safetensors\.index\.json)$")
 
 
+# ---------------------------------------------------------------------------------------------- paths
 def _real(path: str) -> str:
     return os.path.realpath(os.path.abspath(path))
 
@@ -55,37 +96,215 @@ def _check_parent(option: str, path: str, create_parents: bool) -> None:
 def _check_not_input(option: str, path: str, reads: Iterable[str], kind: str) -> None:
     out = _real(path)
     for src in reads:
+        if not src:
+            continue
         src_real = _real(src)
         if _inside(out, src_real) or (kind == "directory" and _inside(src_real, out)):
             what = "is" if out == src_real else ("lies inside" if _inside(out, src_real) else "holds")
-            raise ConfigError(f"{option} {path}: {what} {src}, which this command reads; writing there would "
-                              "overwrite its own input: choose a path outside it")
+            raise ConfigError(f"{option} {path}: {what} {src}, which this command reads; megashard never writes "
+                              "over its own input: choose a path outside it")
 
 
+# ---------------------------------------------------------------------------------------------- markers
+def marker_kinds(path: str) -> Optional[list[str]]:
+    """The kinds a marked directory holds (its marker's ``holds``), or None when ``path`` has no valid marker."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    holds = doc.get("holds") if isinstance(doc, dict) and doc.get("tool") == "megashard" else None
+    if not isinstance(holds, list) or not all(isinstance(k, str) for k in holds):
+        return None
+    return holds
+
+
+def _write_marker(path: str, kinds: list[str]) -> None:
+    from megashard._version import __version__
+
+    doc = {"tool": "megashard", "holds": kinds, "what": [KINDS.get(k, k) for k in kinds], "version": __version__,
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = temp_path(os.path.join(path, MARKER))
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, os.path.join(path, MARKER))
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline(4096)
+    except OSError:
+        return ""
+
+
+def _is_checkpoint_root(path: str) -> bool:
+    """Every entry is a name megashard's checkpointing writes, and one of them shows a megashard checkpoint."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    if not names or not all(_CKPT_ENTRY.match(n) or n == MARKER for n in names):
+        return False
+    for n in names:
+        if n.startswith(".megashard.lock"):
+            return True
+        sub = os.path.join(path, n)
+        if any(os.path.isfile(os.path.join(sub, f)) for f in _CKPT_FILES) or os.path.isdir(os.path.join(sub, "rank_state")):
+            return True
+        if n.startswith("earlier-") and _is_checkpoint_root(sub):
+            return True
+    return False
+
+
+def _recognised(path: str, kind: str, names: list[str]) -> bool:
+    """A directory of ``kind`` written by a megashard without markers, by unambiguous evidence (module docstring)."""
+    if kind == "checkpoints":
+        return _is_checkpoint_root(path)
+    if kind == "hf-export":
+        return (all(_HF_ENTRY.match(n) for n in names) and "config.json" in names
+                and any(n.endswith(".safetensors") for n in names))
+    if kind == "run":
+        def ok(n: str) -> bool:
+            sub = os.path.join(path, n)
+            if n == "checkpoints":
+                return os.path.isdir(sub) and (not os.listdir(sub) or marker_kinds(sub) is not None
+                                               or _is_checkpoint_root(sub))
+            return bool(_RUN_ENTRY.match(n)) or (os.path.isdir(sub) and marker_kinds(sub) is not None)
+
+        if not all(ok(n) for n in names):
+            return False
+        evidence = _first_line(os.path.join(path, "config.yaml")).startswith(RESOLVED_CONFIG_HEADER)
+        return evidence or ("checkpoints" in names and _is_checkpoint_root(os.path.join(path, "checkpoints")))
+    return False
+
+
+def owner(path: str, kind: str) -> str:
+    """Who ``path`` belongs to, for a command writing ``kind`` there: ``"absent"``, ``"empty"`` (a directory with
+    nothing in it), ``"marked"`` (megashard's marker, any kind), ``"recognised"`` (an older megashard directory of
+    ``kind``, see :func:`_recognised`), or ``"foreign"`` (anything else, a file included)."""
+    if not os.path.lexists(path):
+        return "absent"
+    if not os.path.isdir(path):
+        return "foreign"
+    if marker_kinds(path) is not None:
+        return "marked"
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return "foreign"
+    if not names:
+        return "empty"
+    return "recognised" if _recognised(path, kind, names) else "foreign"
+
+
+def _listing(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        return f"cannot be listed: {e.strerror or e}"
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"holds {shown}"
+
+
+def _check_owned(option: str, path: str, kind: str, replace: bool) -> None:
+    """ConfigError unless megashard may write into (or, ``replace``, delete and recreate) directory ``path``."""
+    who = owner(path, kind)
+    if who in ("absent", "empty", "recognised"):
+        return
+    what = KINDS[kind].split(" (")[0]
+    if who == "marked":
+        kinds = marker_kinds(path) or []
+        if not replace or kinds == [kind]:
+            return
+        raise ConfigError(f"{option} {path}: is {' and '.join(KINDS.get(k, k).split(' (')[0] for k in kinds)}, not "
+                          f"{what}: replacing it would delete it; choose another path")
+    rule = (f"megashard replaces only a directory it made itself ({what}, marked by {MARKER}), never one holding "
+            "files of yours" if replace else
+            f"megashard writes only into a new or empty directory, or one it made itself (marked by {MARKER}), so that "
+            "it never overwrites or deletes a file of yours")
+    raise ConfigError(f"{option} {path}: the existing directory {_listing(path)}, not made by megashard; {rule}: "
+                      "choose a new directory")
+
+
+# ---------------------------------------------------------------------------------------------- checks
 def check_output_file(option: str, path: str, *, reads: Iterable[str] = (), create_parents: bool = False,
-                      example: str = "out.pt") -> str:
+                      example: str = "out.pt", mine: Optional[Callable[[str], Optional[str]]] = None) -> str:
     """ConfigError (one line naming ``option``) unless ``path`` can be written as a new or replaced regular file
-    (see the module docstring); ``reads``: files or directories the command reads. Returns the absolute path."""
+    (see the module docstring); ``reads``: files or directories the command reads. An existing file is replaced
+    only when ``mine(path)`` returns None (megashard's own); otherwise the text it returns says why not (the error
+    adds the rule). Without ``mine`` an existing file is refused. Returns the absolute path."""
     if not path:
         raise ConfigError(f"{option} must not be empty")
     if os.path.isdir(path):
         raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, example)}")
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"{option} {path}: exists and is not a regular file (a device, pipe or socket)")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ConfigError(f"{option} {path}: exists and is not a regular file (a device, pipe, socket or broken link)")
     _check_not_input(option, path, reads, "file")  # first: the writability probe must not touch an input
+    if os.path.isfile(path):
+        why = "it exists" if mine is None else mine(path)
+        if why is not None:
+            raise ConfigError(f"{option} {path}: {why}; megashard never overwrites a file it did not make: choose "
+                              "another path (or move the file away yourself)")
     _check_parent(option, path, create_parents)
     return os.path.abspath(path)
 
 
-def check_output_dir(option: str, path: str, *, reads: Iterable[str] = (), create_parents: bool = True) -> str:
-    """ConfigError (one line naming ``option``) unless ``path`` can be written as a directory (new, or an existing
-    one the caller may replace): not a file, not under a file, its parent writable, neither inside nor holding
-    what the command reads. Returns the absolute path."""
+def check_output_dir(option: str, path: str, *, reads: Iterable[str] = (), create_parents: bool = True,
+                     kind: Optional[str] = None, replace: bool = False) -> str:
+    """ConfigError (one line naming ``option``) unless ``path`` can be written as a directory: not a file, not
+    under a file, its parent writable, neither inside nor holding what the command reads, and — with ``kind`` —
+    megashard's to write into (new, empty, marked or recognised), or with ``replace`` to delete and recreate (only
+    its own directory of that kind). Returns the absolute path."""
     if not path:
         raise ConfigError(f"{option} must not be empty")
-    if os.path.exists(path) and not os.path.isdir(path):
+    if os.path.lexists(path) and not os.path.isdir(path):
         raise ConfigError(f"{option} {path}: is an existing file, not a directory; choose another path (or move "
                           "the file away)")
     _check_not_input(option, path, reads, "directory")
+    if kind is not None:
+        _check_owned(option, path, kind, replace)
     _check_parent(option, path, create_parents)
     return os.path.abspath(path)
+
+
+def claim_dir(path: str, kind: str, option: str = "") -> str:
+    """Create directory ``path`` (and its parents) if missing and mark it as megashard's ``kind``; a directory
+    already marked gets ``kind`` added. Call after :func:`check_output_dir` with ``kind`` (a foreign directory is
+    refused here too: ConfigError). Returns the absolute path."""
+    _check_owned(option or kind, path, kind, replace=False)
+    os.makedirs(path, exist_ok=True)
+    kinds = marker_kinds(path)
+    if kinds is None or kind not in kinds:
+        _write_marker(path, (kinds or []) + [kind])
+    return os.path.abspath(path)
+
+
+def temp_path(path: str, suffix: str = ".tmp") -> str:
+    """A new, empty, uniquely named file next to ``path`` (``.<name>.<random><suffix>``) to write and then rename
+    over ``path``: never the name of an existing file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix,
+                               dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; the renamed file gets the mode of any new file
+    return tmp
+
+
+def new_file_mode(directory: bool = False) -> int:
+    """The mode a new file gets here (0666 less the umask), as for a file made with open(); ``directory``: that of
+    a new directory (0777 less the umask), as os.mkdir makes it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+def is_torch_archive(path: str) -> bool:
+    """``path`` is a ``torch.save`` file (a zip archive holding ``<name>/data.pkl``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/data.pkl") for n in z.namelist()[:64])
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False

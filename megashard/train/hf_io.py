@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megashard.errors import CheckpointError, ConfigError
+from megashard.outputs import claim_dir, new_file_mode
 from megashard.models.hf import HF_ARCH, hf_config, hf_shapes, mapping, read_rows, to_hf
 from megashard.train.hf_dir import (  # noqa: F401 - check_init_from re-exported (its old home)
     INDEX,
@@ -67,20 +69,18 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
     from safetensors.torch import save_file
 
     from megashard.checkpoint import safety
-    from megashard.train.checkpointing import read_full_model
-
     from megashard.outputs import check_output_dir
+    from megashard.train.checkpointing import read_full_model
 
     if max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
     ckpt = os.path.abspath(safety.resolve_checkpoint(path))
-    # A file, a path under a file, an unwritable place, or a directory holding (or inside) the checkpoint that
-    # --force would replace: refused before anything is read.
-    check_output_dir("OUT", out, reads=[ckpt])
-    check_output_dir("OUT", out + ".tmp-export", reads=[ckpt])
-    out = os.path.abspath(out)
+    # A file, a path under a file, an unwritable place, a directory holding (or inside) the checkpoint, or one
+    # megashard did not export (which --force would delete): refused before anything is read.
+    check_output_dir("OUT", out, reads=[ckpt], kind="hf-export", replace=True)
+    given, out = out, os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"{out} exists and is not an empty directory; pass --force to replace it")
+        raise CheckpointError(f"OUT {given}: holds an earlier export of megashard; pass --force to replace it")
     job = job_of_checkpoint(ckpt, config_path)
     entries = mapping(job.model, job.ffn_hidden)
     tensors = to_hf(read_full_model(ckpt), entries)
@@ -97,32 +97,43 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
         size += nb
     n = len(shards)
     files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tmp = out + ".tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    mode = _file_mode()
-    for fname, names in zip(files, shards):
-        save_file({k: tensors[k] for k in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
-        os.chmod(os.path.join(tmp, fname), mode)  # safetensors writes 0600; the directory is meant to be shared
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if n > 1:
-        _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total},
-                                               "weight_map": {k: f for f, names in zip(files, shards) for k in names}})
-    _write_json(os.path.join(tmp, "config.json"), hf_config(job.model, job.ffn_hidden, dtype))
-    # No max_length: generate(max_new_tokens=...) would warn that both are set (config.json holds the context).
-    _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False})
-    if os.path.exists(out):
-        shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
-    os.replace(tmp, out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # A new directory of its own next to OUT (never an existing name), renamed to OUT when complete.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-export-", dir=os.path.dirname(out))
+    try:
+        mode = new_file_mode()
+        os.chmod(tmp, new_file_mode(directory=True))  # mkdtemp makes 0700; the export is meant to be shared
+        claim_dir(tmp, "hf-export")  # the marker: what a later --force may replace
+        for fname, names in zip(files, shards):
+            save_file({k: tensors[k] for k in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
+            os.chmod(os.path.join(tmp, fname), mode)  # safetensors writes 0600; the directory is meant to be shared
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        if n > 1:
+            _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total},
+                                                   "weight_map": {k: f for f, names in zip(files, shards) for k in names}})
+        _write_json(os.path.join(tmp, "config.json"), hf_config(job.model, job.ffn_hidden, dtype))
+        # No max_length: generate(max_new_tokens=...) would warn that both are set (config.json holds the context).
+        _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False})
+        if os.path.exists(out):
+            check_output_dir("OUT", out, reads=[ckpt], kind="hf-export", replace=True)  # still ours, just before
+            _replace_dir(out, tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the directory this call made, nothing else
+        raise
     return {"path": ckpt, "out": out, "arch": job.model.arch, "class": HF_ARCH[job.model.arch][0],
             "tensors": len(tensors), "bytes": total, "shards": n}
 
 
-def _file_mode() -> int:
-    """The mode a new file gets here (0666 less the umask), as for the JSON files written with open()."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
+def _replace_dir(out: str, new: str) -> None:
+    """Put directory ``new`` in the place of the (checked) export ``out``: the old one is renamed aside first, so
+    ``out`` is always a whole export, then deleted."""
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rmdir(old)  # a fresh name for the rename
+    os.rename(out, old)
+    os.rename(new, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: str, doc: dict) -> None:
