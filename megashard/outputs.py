@@ -37,7 +37,8 @@ from typing import Callable, Iterable, Optional
 from megashard.errors import ConfigError
 
 __all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "claim_dir", "marker_kinds", "owner",
-           "is_torch_archive", "temp_path", "new_file_mode", "RESOLVED_CONFIG_HEADER"]
+           "is_torch_archive", "temp_path", "new_file_mode",
+           "is_resolved_config", "RESOLVED_CONFIG_HEADER"]
 
 #: The marker file of a directory megashard made (hidden: it does not clutter a listing or a Hugging Face export).
 MARKER = ".megashard-dir.json"
@@ -59,11 +60,18 @@ _CKPT_ENTRY = re.compile(r"^(step_\d+|\.tmp-step_\d+|\.trash-step_\d+.*|earlier-
                          r"|\.megashard\.lock(\.takeover|\..*\.tmp)?)$")
 _CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
 _RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|metrics\.jsonl|loss\.png|checkpoints|doctor)$")
+_DOCTOR_ENTRY = re.compile(r"^(rank_\d+\.json(\.\d+\.tmp)?|restart_\d+)$")
 _HF_ENTRY = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
                        r"|model\.safetensors\.index\.json)$")
 
 
 # ---------------------------------------------------------------------------------------------- paths
+def _label(option: str, path: str) -> str:
+    """How an error names the output: ``OUT hf`` for a command's argument, ``train.out_dir='.'`` for a config field
+    (an ``option`` ending in ``=``)."""
+    return f"{option}{path!r}" if option.endswith("=") else f"{option} {path}"
+
+
 def _real(path: str) -> str:
     return os.path.realpath(os.path.abspath(path))
 
@@ -79,17 +87,17 @@ def _check_parent(option: str, path: str, create_parents: bool) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ConfigError(f"{option} {path}: cannot be written under {existing}, which is a file, not a directory; "
+        raise ConfigError(f"{_label(option, path)}: cannot be written under {existing}, which is a file, not a directory; "
                           "choose another path")
     parent = os.path.dirname(full)
     if existing != parent and not create_parents:
-        raise ConfigError(f"{option} {path}: the directory {parent} does not exist; create it or write elsewhere")
+        raise ConfigError(f"{_label(option, path)}: the directory {parent} does not exist; create it or write elsewhere")
     try:
         fd, probe = tempfile.mkstemp(prefix=".megashard-probe-", dir=existing)
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"{option} {path}: {existing} is not writable ({e.strerror or e}); choose a writable "
+        raise ConfigError(f"{_label(option, path)}: {existing} is not writable ({e.strerror or e}); choose a writable "
                           "directory") from None
 
 
@@ -101,7 +109,7 @@ def _check_not_input(option: str, path: str, reads: Iterable[str], kind: str) ->
         src_real = _real(src)
         if _inside(out, src_real) or (kind == "directory" and _inside(src_real, out)):
             what = "is" if out == src_real else ("lies inside" if _inside(out, src_real) else "holds")
-            raise ConfigError(f"{option} {path}: {what} {src}, which this command reads; megashard never writes "
+            raise ConfigError(f"{_label(option, path)}: {what} {src}, which this command reads; megashard never writes "
                               "over its own input: choose a path outside it")
 
 
@@ -129,6 +137,11 @@ def _write_marker(path: str, kinds: list[str]) -> None:
         json.dump(doc, f, indent=1)
         f.write("\n")
     os.replace(tmp, os.path.join(path, MARKER))
+
+
+def is_resolved_config(path: str) -> bool:
+    """``path`` is a resolved config ``megashard run`` wrote (its first line is :data:`RESOLVED_CONFIG_HEADER`)."""
+    return _first_line(path).startswith(RESOLVED_CONFIG_HEADER)
 
 
 def _first_line(path: str) -> str:
@@ -171,12 +184,19 @@ def _recognised(path: str, kind: str, names: list[str]) -> bool:
             if n == "checkpoints":
                 return os.path.isdir(sub) and (not os.listdir(sub) or marker_kinds(sub) is not None
                                                or _is_checkpoint_root(sub))
+            if n == "doctor":
+                return os.path.isdir(sub) and all(_DOCTOR_ENTRY.match(x) for x in os.listdir(sub))
             return bool(_RUN_ENTRY.match(n)) or (os.path.isdir(sub) and marker_kinds(sub) is not None)
 
         if not all(ok(n) for n in names):
             return False
-        evidence = _first_line(os.path.join(path, "config.yaml")).startswith(RESOLVED_CONFIG_HEADER)
-        return evidence or ("checkpoints" in names and _is_checkpoint_root(os.path.join(path, "checkpoints")))
+        subs = [os.path.join(path, n) for n in names]
+        if all(os.path.isdir(p) and not os.listdir(p) for p in subs):
+            return True  # nothing but empty directories of megashard's names: nothing to lose
+        ckpt, doctor = os.path.join(path, "checkpoints"), os.path.join(path, "doctor")
+        return (is_resolved_config(os.path.join(path, "config.yaml"))
+                or (os.path.isdir(doctor) and bool(os.listdir(doctor)))
+                or (os.path.isdir(ckpt) and (marker_kinds(ckpt) is not None or _is_checkpoint_root(ckpt))))
     return False
 
 
@@ -196,7 +216,10 @@ def owner(path: str, kind: str) -> str:
         return "foreign"
     if not names:
         return "empty"
-    return "recognised" if _recognised(path, kind, names) else "foreign"
+    try:
+        return "recognised" if _recognised(path, kind, names) else "foreign"
+    except OSError:  # a part of it cannot be read: not evidence of anything
+        return "foreign"
 
 
 def _listing(path: str) -> str:
@@ -218,13 +241,13 @@ def _check_owned(option: str, path: str, kind: str, replace: bool) -> None:
         kinds = marker_kinds(path) or []
         if not replace or kinds == [kind]:
             return
-        raise ConfigError(f"{option} {path}: is {' and '.join(KINDS.get(k, k).split(' (')[0] for k in kinds)}, not "
+        raise ConfigError(f"{_label(option, path)}: is {' and '.join(KINDS.get(k, k).split(' (')[0] for k in kinds)}, not "
                           f"{what}: replacing it would delete it; choose another path")
     rule = (f"megashard replaces only a directory it made itself ({what}, marked by {MARKER}), never one holding "
             "files of yours" if replace else
             f"megashard writes only into a new or empty directory, or one it made itself (marked by {MARKER}), so that "
             "it never overwrites or deletes a file of yours")
-    raise ConfigError(f"{option} {path}: the existing directory {_listing(path)}, not made by megashard; {rule}: "
+    raise ConfigError(f"{_label(option, path)}: the existing directory {_listing(path)}, not made by megashard; {rule}: "
                       "choose a new directory")
 
 
@@ -236,16 +259,16 @@ def check_output_file(option: str, path: str, *, reads: Iterable[str] = (), crea
     only when ``mine(path)`` returns None (megashard's own); otherwise the text it returns says why not (the error
     adds the rule). Without ``mine`` an existing file is refused. Returns the absolute path."""
     if not path:
-        raise ConfigError(f"{option} must not be empty")
+        raise ConfigError(f"{option.rstrip('=')} must not be empty")
     if os.path.isdir(path):
-        raise ConfigError(f"{option} {path}: is a directory; give a file name such as {os.path.join(path, example)}")
+        raise ConfigError(f"{_label(option, path)}: is a directory; give a file name such as {os.path.join(path, example)}")
     if os.path.lexists(path) and not os.path.isfile(path):
-        raise ConfigError(f"{option} {path}: exists and is not a regular file (a device, pipe, socket or broken link)")
+        raise ConfigError(f"{_label(option, path)}: exists and is not a regular file (a device, pipe, socket or broken link)")
     _check_not_input(option, path, reads, "file")  # first: the writability probe must not touch an input
     if os.path.isfile(path):
         why = "it exists" if mine is None else mine(path)
         if why is not None:
-            raise ConfigError(f"{option} {path}: {why}; megashard never overwrites a file it did not make: choose "
+            raise ConfigError(f"{_label(option, path)}: {why}; megashard never overwrites a file it did not make: choose "
                               "another path (or move the file away yourself)")
     _check_parent(option, path, create_parents)
     return os.path.abspath(path)
@@ -258,9 +281,9 @@ def check_output_dir(option: str, path: str, *, reads: Iterable[str] = (), creat
     megashard's to write into (new, empty, marked or recognised), or with ``replace`` to delete and recreate (only
     its own directory of that kind). Returns the absolute path."""
     if not path:
-        raise ConfigError(f"{option} must not be empty")
+        raise ConfigError(f"{option.rstrip('=')} must not be empty")
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{option} {path}: is an existing file, not a directory; choose another path (or move "
+        raise ConfigError(f"{_label(option, path)}: is an existing file, not a directory; choose another path (or move "
                           "the file away)")
     _check_not_input(option, path, reads, "directory")
     if kind is not None:

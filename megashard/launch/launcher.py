@@ -182,14 +182,22 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
 
 
 def _write_config(job: JobConfig, path: str) -> None:
+    """Write the resolved config into the run directory (created and marked as megashard's; an existing config.yaml
+    there is replaced only when megashard wrote it: checked before by :func:`megashard.launch.preflight.check_outputs`)."""
     import yaml
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"# resolved config of megashard run {job.name} (overrides applied); the workers read this file\n")
-        yaml.safe_dump(job.to_dict(), f, sort_keys=False)
-    os.replace(tmp, path)
+    from megashard.outputs import RESOLVED_CONFIG_HEADER, claim_dir, temp_path
+
+    claim_dir(os.path.dirname(path) or ".", "run", "train.out_dir=")
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{RESOLVED_CONFIG_HEADER}{job.name} (overrides applied); the workers read this file\n")
+            yaml.safe_dump(job.to_dict(), f, sort_keys=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def lock_id(job: JobConfig) -> str:
@@ -206,6 +214,9 @@ def _hold_checkpoint_dir(job: JobConfig):
 
     if job.launch.nnodes > 1:
         return None  # checked in run(); a launcher per node cannot hold one lock
+    from megashard.outputs import claim_dir
+
+    claim_dir(job.checkpoint_dir, "checkpoints", "checkpoint.dir=")  # created and marked as megashard's
     lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=lock_id(job), owner="launcher")
     if lock.note:
         print(f"megashard run: note: {lock.note}", file=sys.stderr)
@@ -267,6 +278,11 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
 
     plan = plan_launch(config, overrides)
     job, s = plan.job, plan.sizes
+    from megashard.launch.preflight import check_job_here
+
+    # This machine: where the job writes (megashard's own directories, away from its inputs), devices, memory;
+    # before anything is read from the checkpoints, written or started.
+    check_job_here(job, config)
     if not dry_run:
         from megashard.train.ckptlock import check_free
 
@@ -276,9 +292,6 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     if start.finished and not dry_run:
         print(f"megashard run: {job.name}: {start.finished}", file=sys.stderr)
         return 0
-    from megashard.launch.preflight import check_job_here
-
-    check_job_here(job)  # this machine: output paths, devices, memory (before anything is written or started)
     if not dry_run:
         from megashard.train.data import check_corpus, ensure_corpus
 
@@ -297,6 +310,9 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
         print(shlex.join(plan.command))
         return 0
     try:
+        from megashard.outputs import claim_dir
+
+        claim_dir(job.out_dir, "run", "train.out_dir=")  # created and marked as megashard's (checked above)
         lock = _hold_checkpoint_dir(job)
     except OSError as e:
         print(f"megashard run: error: cannot create the checkpoint directory {job.checkpoint_dir}: "

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Iterable, Optional
 
 from megashard.errors import ConfigError
 from megashard.train.config import JobConfig
 
-__all__ = ["check_data_memory", "check_job_here", "check_output_dir", "physical_memory"]
+__all__ = ["check_data_memory", "check_job_here", "check_outputs", "check_output_dir", "job_inputs", "physical_memory"]
 
 
-def check_output_dir(path: str, field: str) -> None:
-    """ConfigError naming ``field`` unless ``path`` is a directory, or can be created as one, and is writable."""
+def check_output_dir(path: str, field: str, kind: str = "run", reads: Iterable[str] = ()) -> None:
+    """ConfigError naming ``field`` unless ``path`` is megashard's to write (:func:`megashard.outputs.check_output_dir`):
+    a new, empty or megashard-made directory (or one that can be created) that is writable and neither holds nor
+    lies inside ``reads``."""
+    from megashard.outputs import check_output_dir as check
+
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         raise ConfigError(f"{field}={path!r} is an existing file, not a directory; choose another directory "
@@ -38,6 +43,63 @@ def check_output_dir(path: str, field: str) -> None:
     except OSError as e:
         what = "is not writable" if existing == full else f"cannot be created: {existing} is not writable"
         raise ConfigError(f"{field}={path!r} {what} ({e.strerror or e}); choose a writable directory") from None
+    check(f"{field}=", path, reads=reads, kind=kind)  # megashard's to write, away from the inputs
+
+
+def job_inputs(job: JobConfig, config: Optional[str] = None) -> list[str]:
+    """The files and directories the job reads that its outputs must keep away from: the config file, the corpus
+    (``data.path`` / ``data.blend`` files, ``data.prepare_inputs``, ``data.prepare_tokenizer``) and
+    ``model.init_from``. (A checkpoint to resume from is the job's own output: not listed.)"""
+    from megashard.data.corpus import META_SUFFIX, TOKENIZER_SUFFIX
+
+    d = job.data
+    found = [config] if config else []
+    paths = [p for _, p in _data_paths(job)]
+    for p in paths:
+        found += [p + ext for ext in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX) if os.path.exists(p + ext)]
+        if os.path.isfile(p):
+            found.append(p)
+    if d.source == "indexed" and d.prepare_inputs and d.prepare_tokenizer not in ("byte", None):
+        found.append(d.prepare_tokenizer)
+    if job.model.init_from:
+        found.append(job.model.init_from)
+    return [p for p in found if isinstance(p, str) and p]
+
+
+def _data_paths(job: JobConfig) -> list[tuple[float, str]]:
+    d = job.data
+    if d.source == "text" and d.path:
+        return [(1.0, d.path)]
+    if d.source != "indexed":
+        return []
+    from megashard.train.data import data_paths
+
+    return data_paths(d)
+
+
+def check_outputs(job: JobConfig, config: Optional[str] = None) -> None:
+    """Where the job writes, before anything is: ``train.out_dir`` and the checkpoint directory are megashard's (new,
+    empty, or made by megashard: :mod:`megashard.outputs`), writable, and hold none of the job's inputs; the run's
+    resolved config (``<out_dir>/config.yaml``) would not overwrite the config file it is read from, nor a file of
+    the user's. ConfigError, one line naming the field and the rule."""
+    from megashard.outputs import is_resolved_config
+
+    reads = job_inputs(job, config)
+    out = job.out_dir
+    resolved = os.path.join(out, "config.yaml")
+    if config and os.path.realpath(config) == os.path.realpath(resolved):
+        raise ConfigError(
+            f"train.out_dir={job.train.out_dir!r}: megashard run writes the run's resolved config to {resolved}, which "
+            f"is the config file {config} this command reads: it would be overwritten (and the next run would read "
+            "the resolved copy); keep configs out of run directories and choose another train.out_dir, e.g. "
+            "runs/{name} (the default)")
+    check_output_dir(out, "train.out_dir", "run", reads)
+    if os.path.isfile(resolved) and not is_resolved_config(resolved):
+        raise ConfigError(f"train.out_dir={job.train.out_dir!r}: {resolved} exists and was not written by megashard run "
+                          "(it has not the resolved config's first line); megashard never overwrites a file it did not "
+                          "make: move it away or choose another train.out_dir")
+    ckpt_field = "checkpoint.dir" if job.checkpoint.dir else "checkpoint.dir (default <train.out_dir>/checkpoints)"
+    check_output_dir(job.checkpoint_dir, ckpt_field, "checkpoints", reads)
 
 
 def physical_memory() -> int | None:
@@ -66,12 +128,11 @@ def check_data_memory(job: JobConfig, ram: int | None) -> None:
         )
 
 
-def check_job_here(job: JobConfig) -> None:
-    """Every check of this module for a validated ``job`` (ConfigError with one line naming the field)."""
+def check_job_here(job: JobConfig, config: Optional[str] = None) -> None:
+    """Every check of this module for a validated ``job`` read from ``config`` (ConfigError with one line naming the
+    field): outputs (:func:`check_outputs`), memory, devices."""
+    check_outputs(job, config)
     check_data_memory(job, physical_memory())
-    check_output_dir(job.out_dir, "train.out_dir")
-    ckpt_field = "checkpoint.dir" if job.checkpoint.dir else "checkpoint.dir (default <train.out_dir>/checkpoints)"
-    check_output_dir(job.checkpoint_dir, ckpt_field)
     from megashard.state import check_devices  # imports torch: only here, where the job is launched
 
     check_devices(job.parallel, processes_per_node=job.launch.nproc_per_node, prefix="parallel.")

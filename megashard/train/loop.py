@@ -253,6 +253,12 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
                                   f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the "
                                   "same sizes")
         if rank == 0:
+            from megashard.outputs import claim_dir
+
+            # megashard's own directories (created and marked; one holding files of the user's is refused: the
+            # launcher checked it before any process started, this is the same rule for jobs started without it)
+            claim_dir(job.out_dir, "run", "train.out_dir=")
+            claim_dir(job.checkpoint_dir, "checkpoints", "checkpoint.dir=")
             lock = _hold_checkpoint_dir(job)
         seed = job.parallel.seed
         model_parallel_manual_seed(seed)
@@ -269,7 +275,6 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         out_dir = job.out_dir
         writer = None
         if rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
             writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
         bar = ProgressBar(t.steps, start, enabled=t.progress and rank == 0, log_interval=t.log_interval)
         params = list(model.parameters())
