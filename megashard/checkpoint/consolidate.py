@@ -318,20 +318,27 @@ def load_full_state_dict(
     return out
 
 
-def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = False, keys: Optional[set] = None) -> dict:
+def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = False, keys: Optional[set] = None,
+                overwrite: bool = False) -> dict:
     """Write a checkpoint's full (unsharded) state into one ``torch.save`` file ``out``.
 
     The file loads with ``torch.load(out, weights_only=True)``; it is written to ``out + ".tmp"`` first
     and renamed, so ``out`` is never half-written (missing parent directories are created). Returns a summary
     ``{"path", "out", "tensors", "bytes"}``. ``out`` is checked before anything is read
     (:func:`megashard.outputs.check_output_file`): ConfigError for a directory, a path under a file, an unwritable
-    place or a path inside the checkpoint itself.
+    place or a path inside the checkpoint itself. An existing ``out`` is replaced only with ``overwrite`` and only
+    when it is a ``torch.save`` file (as an earlier consolidate wrote): megashard never overwrites a file of the
+    user's.
     """
-    from megashard.outputs import check_output_file
+    from megashard.outputs import check_output_file, is_torch_archive, temp_path
+
+    def mine(p: str) -> Optional[str]:
+        if not is_torch_archive(p):
+            return "exists and is not a torch.save file (as consolidate writes)"
+        return None if overwrite else "exists (an earlier torch.save file); pass --force to replace it"
 
     ckpt = safety.resolve_checkpoint(path)
-    check_output_file("OUT", out, reads=[ckpt], create_parents=True, example="full.pt")
-    check_output_file("OUT", out + ".tmp", reads=[ckpt], create_parents=True)  # written first, then renamed
+    check_output_file("OUT", out, reads=[ckpt], create_parents=True, example="full.pt", mine=mine)
     state = load_full_state_dict(ckpt, keys=keys, verify=verify, progress=progress)
     count, nbytes = 0, 0
 
@@ -350,7 +357,11 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
     walk(state)
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = out + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    tmp = temp_path(out)  # a new name of its own next to OUT, renamed when complete
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return {"path": os.path.abspath(ckpt), "out": out, "tensors": count, "bytes": nbytes}

@@ -63,6 +63,7 @@ TRASH_PREFIX = ".trash-"
 FORMAT = "megashard-checkpoint"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_STALE_RE = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+-\d+)$")
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -347,7 +348,8 @@ def cleanup_stale(root: str, keep: Sequence[str] = ()) -> list[str]:
     """
     removed = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if (name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)) and name not in keep:
+        # only the names megashard gives them (.tmp-step_<N>, .trash-step_<N>-...): a .tmp-notes of the user's stays
+        if _STALE_RE.match(name) and name not in keep:
             path = os.path.join(root, name)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -363,9 +365,18 @@ def commit_checkpoint(tmp_dir: str, final_dir: str, *, overwrite: bool = False) 
     if os.path.exists(final_dir):
         if not overwrite:
             raise CheckpointError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
+        if not _is_megashard_step(final_dir):
+            raise CheckpointError(f"{final_dir} exists and is not a checkpoint megashard saved (no {MARKER_FILE} or "
+                                  f"{LAYOUT_FILE}); overwrite=True replaces only megashard's own checkpoints: move it "
+                                  "away or save another step")
         _remove_tree(final_dir)
     os.rename(tmp_dir, final_dir)
     fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def _is_megashard_step(path: str) -> bool:
+    """``path`` is a directory megashard's saving made (it holds the marker or the layout file)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (MARKER_FILE, LAYOUT_FILE))
 
 
 def run_of(ckpt_dir: str) -> Optional[str]:

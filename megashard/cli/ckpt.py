@@ -47,6 +47,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--keys", default=None, metavar="K1,K2", help="only these keys or prefixes (e.g. model)")
     c.add_argument("--no-verify", action="store_true", help="check file sizes only, not checksums")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists (only a torch.save file, as consolidate writes, is replaced)")
     c.set_defaults(handler=_cmd_ckpt_consolidate, parser=c)
     e = cmds.add_parser(
         "export-hf", help="write a Hugging Face model directory (safetensors + config.json) of the model",
@@ -63,7 +65,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the job's config, for checkpoints that record none (default: the one in the checkpoint)")
     e.add_argument("--max-shard-mb", type=int, default=2048, metavar="MB",
                    help="largest safetensors file, in MB (default 2048; several files get an index)")
-    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e.add_argument("--force", action="store_true",
+                   help="replace OUT if it is an earlier export (a directory megashard did not make is never replaced)")
     e.set_defaults(handler=_cmd_ckpt_export_hf, parser=e)
 
 
@@ -101,7 +104,7 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
 
     keys = {k.strip() for k in args.keys.split(",") if k.strip()} if args.keys else None
     summary = _unless_corrupted(args, consolidate, args.dir, args.out, verify=not args.no_verify,
-                                progress=not args.quiet, keys=keys)
+                                progress=not args.quiet, keys=keys, overwrite=args.force)
     if summary is None:
         return 1
     print(f"megashard ckpt consolidate: wrote {summary['out']} ({summary['tensors']} tensors, "

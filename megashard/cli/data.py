@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from megashard.cli.options import add_actions
+from megashard.data.inputs import ENCODING_ERRORS
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +40,11 @@ def add(sub: argparse._SubParsersAction) -> None:
                     help="train a byte-level BPE tokenizer of VOCAB ids on the inputs first (needs 'megashard[data]')")
     pr.add_argument("--workers", "-j", type=int, default=1, metavar="N", help="tokenizing processes (default 1)")
     pr.add_argument("--text-key", default="text", metavar="KEY", help="JSON-lines field holding the text (default text)")
+    pr.add_argument("--encoding", default="utf-8", metavar="ENC",
+                    help="the inputs' text encoding (default utf-8; e.g. latin-1, cp1252)")
+    pr.add_argument("--encoding-errors", default="strict", choices=ENCODING_ERRORS,
+                    help="bytes not valid in ENC: strict (an error naming the file and offset; default), replace "
+                    "(write U+FFFD, counted in the summary) or skip-file (leave such files out, counted)")
     pr.add_argument("--quiet", "-q", action="store_true",
                     help="no progress (shown on a terminal; in a log, a line every 10 s of a long job)")
     pr.set_defaults(handler=_cmd_data_prepare, parser=pr)
@@ -53,10 +59,18 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from megashard.data.prepare import prepare
 
     r = prepare(args.inputs, args.out, args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
-                text_key=args.text_key, progress=not args.quiet)
+                text_key=args.text_key, progress=not args.quiet, encoding=args.encoding,
+                encoding_errors=args.encoding_errors)
+    changed = ""
+    if r.replaced_bytes:
+        changed += (f"; {r.replaced_bytes:,} byte(s) not valid {r.encoding} in {r.replaced_files} file(s) written as "
+                    "U+FFFD (--encoding-errors replace)")
+    if r.skipped_files:
+        changed += (f"; {len(r.skipped_files)} file(s) left out for bytes not valid {r.encoding} (--encoding-errors "
+                    f"skip-file), e.g. {r.skipped_files[0]}")
     print(f"megashard data prepare: wrote {r.prefix}.bin and {r.prefix}.idx: {r.documents:,} documents, {r.tokens:,} tokens "
           f"(tokenizer {r.tokenizer}, vocabulary {r.vocab_size}) from {len(r.files)} file(s), "
-          f"{r.input_bytes / 1e6:.1f} MB in {r.seconds:.1f} s", file=sys.stderr)
+          f"{r.input_bytes / 1e6:.1f} MB in {r.seconds:.1f} s{changed}", file=sys.stderr)
     return 0
 
 

@@ -242,11 +242,13 @@ class IndexedDatasetBuilder:
             raise DataError(f"token dtype {dtype_name(dtype)} cannot be written; use one of "
                             f"{', '.join(dtype_name(d) for d in _ARRAY_CODES)}")
         self.prefix, self.dtype = prefix, dtype
-        tag = f".tmp{os.getpid()}"
+        import uuid
+
+        tag = f".tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"  # new names ("x": never an existing file of the user's)
         self._tmp = {k: f"{prefix}.{k}{tag}" for k in ("bin", "idx", "lengths", "docs")}
-        self._bin = open(self._tmp["bin"], "wb")
-        self._lengths = open(self._tmp["lengths"], "w+b")
-        self._docs = open(self._tmp["docs"], "w+b")
+        self._bin = open(self._tmp["bin"], "xb")
+        self._lengths = open(self._tmp["lengths"], "x+b")
+        self._docs = open(self._tmp["docs"], "x+b")
         self._docs.write(struct.pack("<q", 0))
         self.sequences, self.documents, self.tokens = 0, 0, 0
         self._open = 0  # tokens of the sequence being written
@@ -330,7 +332,7 @@ class IndexedDatasetBuilder:
             raise DataError(f"{self.prefix}: {self._open} tokens were added after the last end_sequence()")
         self._bin.close()
         item, s, d = _itemsize(self.dtype), self.sequences, self.documents + 1
-        with open(self._tmp["idx"], "wb") as out:
+        with open(self._tmp["idx"], "xb") as out:
             out.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], s, d))
             self._lengths.seek(0)
             shutil.copyfileobj(self._lengths, out, 1 << 22)

@@ -23,19 +23,19 @@ corpus may be far larger than memory. The progress bar counts input bytes.
 """
 from __future__ import annotations
 
-import codecs
 import glob
 import json
 import os
 import shutil
 import sys
-import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from megashard.data.corpus import FORMAT, META_SUFFIX, TOKENIZER_SUFFIX, write_json_atomic
 from megashard.data.indexed import IndexedDatasetBuilder
+from megashard.data.inputs import ENCODING_ERRORS, Decoder, check_encoding, expand, not_text
 from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
 from megashard.errors import DataError
@@ -63,62 +63,29 @@ class PrepareResult:
     tokenizer: str
     vocab_size: int
     files: list[str] = field(default_factory=list)
+    replaced_bytes: int = 0
+    """Bytes not valid in the encoding that ``--encoding-errors replace`` wrote as U+FFFD."""
+    replaced_files: int = 0
+    """Files that held such bytes."""
+    skipped_files: list[str] = field(default_factory=list)
+    """Files ``--encoding-errors skip-file`` left out."""
+    encoding: str = "utf-8"
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Files of the INPUT arguments, in order (directories sorted, globs sorted); a clear error for none."""
-    return [f for f, _ in _expand(inputs)]
-
-
-def _expand(inputs: Sequence[str]) -> list[tuple[str, bool]]:
-    """``(file, named)`` of the INPUT arguments: ``named`` when the argument was the file itself (not a directory
-    or a glob)."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files: list[tuple[str, bool]] = []
-    for item in inputs:
-        item = item.replace("{stdlib}", stdlib)
-        if os.path.isfile(item):
-            files.append((item, True))
-        elif os.path.isdir(item):
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs)
-            if not found:
-                raise DataError(f"{item}: the input directory has no files")
-            files += [(f, False) for f in found]
-        elif glob.has_magic(item):
-            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-            if not found:
-                raise DataError(f"{item}: no input file matches this pattern")
-            files += [(f, False) for f in found]
-        elif os.path.exists(item):
-            raise DataError(f"{item}: not a regular file (a device, pipe or socket); give text or JSON-lines files")
-        else:
-            raise DataError(f"{item}: no such input file")
-    if not files:
-        raise DataError("no input files given")
-    return files
-
-
-def _not_text(path: str) -> Optional[str]:
-    """Why ``path`` is no input for a corpus (``"empty"``, ``"binary ..."``, ``"unreadable ..."``), or None."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8192)
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    if not head:
-        return "is empty (0 bytes): no document to tokenize"
-    nul = head.find(bytes(1))
-    if nul >= 0:  # as git and grep decide: text has no NUL bytes
-        return f"is binary, not text (a NUL byte at offset {nul})"
-    return None
+    """Files of the INPUT arguments, in order (directories sorted, globs sorted), each real file once
+    (:func:`megashard.data.inputs.expand`); a clear error for none."""
+    return [f for f, _ in expand(inputs).files]
 
 
 def _text_inputs(inputs: Sequence[str], notes: Optional[list[str]] = None) -> list[str]:
     """The files to tokenize: a file named on its own must be non-empty text (DataError otherwise); empty and
-    binary files found in a directory or by a glob are left out (counted in ``notes``)."""
+    binary files found in a directory or by a glob are left out, and files reached twice are read once (both
+    said in ``notes``)."""
+    found = expand(inputs)
     files, skipped = [], []
-    for path, named in _expand(inputs):
-        why = _not_text(path)
+    for path, named in found.files:
+        why = not_text(path)
         if why is None:
             files.append(path)
         elif named:
@@ -128,8 +95,11 @@ def _text_inputs(inputs: Sequence[str], notes: Optional[list[str]] = None) -> li
     if not files:
         raise DataError(f"no text to tokenize: all {len(skipped)} input file(s) are empty or binary "
                         f"(e.g. {skipped[0]})")
-    if skipped and notes is not None:
-        notes.append(f"left out {len(skipped)} empty or binary file(s) found in the inputs (e.g. {skipped[0]})")
+    if notes is not None:
+        if found.note:
+            notes.append(found.note)
+        if skipped:
+            notes.append(f"left out {len(skipped)} empty or binary file(s) found in the inputs (e.g. {skipped[0]})")
     return files
 
 
@@ -164,8 +134,10 @@ def _text_pieces(path: str, byte_level: bool = True) -> Iterator[bytes]:
             yield rest
 
 
-def _jsonl_docs(path: str, start: int, end: int, key: str) -> Iterator[str]:
-    """Texts of the JSON lines that *start* in bytes ``[start, end)`` of ``path``."""
+def _jsonl_docs(path: str, start: int, end: int, key: str, dec: Optional[Decoder] = None) -> Iterator[str]:
+    """Texts of the JSON lines that *start* in bytes ``[start, end)`` of ``path`` (decoded by ``dec``: the declared
+    encoding and its error choice; default strict UTF-8)."""
+    dec = dec or Decoder(path)
     with open(path, "rb") as f:
         f.seek(start)
         if start:
@@ -177,8 +149,9 @@ def _jsonl_docs(path: str, start: int, end: int, key: str) -> Iterator[str]:
             if not line:
                 break
             if line.strip():
+                text_line = dec.decode(line, final=True, offset=pos)
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(text_line)
                 except ValueError as e:
                     raise DataError(f"{path}: the line at byte {pos} is not JSON: {e}") from None
                 text = obj.get(key) if isinstance(obj, dict) else None
@@ -189,14 +162,33 @@ def _jsonl_docs(path: str, start: int, end: int, key: str) -> Iterator[str]:
             pos = f.tell()
 
 
-def iter_documents(path: str, key: str = "text") -> Iterator[Iterator[str]]:
+def iter_documents(path: str, key: str = "text", encoding: str = "utf-8",
+                   errors: str = "strict") -> Iterator[Iterator[str]]:
     """Every document of one input file, each as an iterator of text pieces (for tokenizer training)."""
+    dec = Decoder(path, encoding, errors)
     if path.endswith(JSONL):
-        for text in _jsonl_docs(path, 0, os.path.getsize(path), key):
+        for text in _jsonl_docs(path, 0, os.path.getsize(path), key, dec):
             yield iter([text])
     else:
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        yield (dec.decode(p) for p in _text_pieces(path))
+        def pieces() -> Iterator[str]:
+            for p in _text_pieces(path):
+                yield dec.decode(p)
+            tail = dec.decode(b"", final=True)
+            if tail:
+                yield tail
+
+        yield pieces()
+
+
+def _decodes(path: str, key: str, encoding: str) -> bool:
+    """Every byte of ``path`` is valid in ``encoding`` (a pass that reads the file once)."""
+    try:
+        for doc in iter_documents(path, key, encoding, "skip-file"):
+            for _ in doc:
+                pass
+    except Decoder.SkipFile:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -242,63 +234,89 @@ def _worker_init() -> None:
     torch.set_num_threads(1)
 
 
-def _run_task(args: tuple[_Task, str, str, str]) -> tuple[int, int, int]:
-    """Tokenize one task into its partial dataset; returns (documents, tokens, input bytes)."""
-    task, spec, key, dtype = args
+def _run_task(args: tuple[_Task, str, str, str, str, str]) -> tuple[int, int, int, int, bool]:
+    """Tokenize one task into its partial dataset; returns (documents, tokens, input bytes, bytes replaced by
+    U+FFFD, skipped: the file has bytes not valid in the encoding under skip-file, and its partial dataset is
+    dropped)."""
+    task, spec, key, dtype, encoding, errors = args
     tok = _TOKENIZER.get(spec) or _TOKENIZER.setdefault(spec, load_tokenizer(spec))
     import torch
 
     eod = [tok.eod_id] if tok.eod_id is not None else []
     byte = tok.name == "byte"
-    with IndexedDatasetBuilder(task.part, getattr(torch, dtype)) as b:
-        if task.path.endswith(JSONL):
-            batch: list[str] = []
-            for text in _jsonl_docs(task.path, task.start, task.end, key):
-                batch.append(text)
-                if len(batch) == BATCH:
-                    _add_documents(b, tok, batch, eod)
-            _add_documents(b, tok, batch, eod)
-        else:
-            # A BPE tokenizer sees a document whole up to WHOLE bytes; larger ones are cut into ~CHUNK pieces at
-            # line ends between non-space bytes, where byte-level BPE splits anyway (the byte tokenizer: anywhere).
-            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            if byte or os.path.getsize(task.path) > WHOLE:
-                pieces: Iterable[bytes] = _text_pieces(task.path, byte)
+    dec = Decoder(task.path, encoding, errors)
+    try:
+        with IndexedDatasetBuilder(task.part, getattr(torch, dtype)) as b:
+            if task.path.endswith(JSONL):
+                batch: list[str] = []
+                for text in _jsonl_docs(task.path, task.start, task.end, key, dec):
+                    batch.append(text)
+                    if len(batch) == BATCH:
+                        _add_documents(b, tok, batch, eod)
+                _add_documents(b, tok, batch, eod)
             else:
-                with open(task.path, "rb") as f:
-                    pieces = [f.read()]
-            for piece in pieces:
-                b.extend(piece if byte else tok.encode(dec.decode(piece)))
-            if not byte:
+                # A BPE tokenizer sees a document whole up to WHOLE bytes; larger ones are cut into ~CHUNK pieces at
+                # line ends between non-space bytes, where byte-level BPE splits anyway (the byte tokenizer: anywhere).
+                # Every piece is decoded (the declared encoding; what is not valid in it is an error or the user's
+                # counted choice); the byte tokenizer takes the UTF-8 bytes of the text.
+                if byte or os.path.getsize(task.path) > WHOLE:
+                    pieces: Iterable[bytes] = _text_pieces(task.path, byte)
+                else:
+                    with open(task.path, "rb") as f:
+                        pieces = [f.read()]
+                for piece in pieces:
+                    text = dec.decode(piece)
+                    b.extend(text.encode("utf-8") if byte else tok.encode(text))
                 tail = dec.decode(b"", final=True)
                 if tail:
-                    b.extend(tok.encode(tail))
-            b.extend(eod)
-            b.end_sequence()
-            b.end_document()
-        docs, tokens = b.documents, b.tokens
-    return docs, tokens, task.end - task.start
+                    b.extend(tail.encode("utf-8") if byte else tok.encode(tail))
+                b.extend(eod)
+                b.end_sequence()
+                b.end_document()
+            docs, tokens = b.documents, b.tokens
+    except Decoder.SkipFile:
+        return 0, 0, task.end - task.start, 0, True
+    return docs, tokens, task.end - task.start, dec.replaced, False
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-def _remove_prefix_files(prefix: str) -> None:
-    for ext in (".bin", ".idx"):
-        if os.path.exists(prefix + ext):
-            os.remove(prefix + ext)
+def _corpus_file_mine(out: str) -> "Callable[[str], Optional[str]]":
+    """Whether an existing output file of prefix ``out`` may be replaced: only when ``out`` is a corpus megashard
+    prepared (its metadata, the corpus's marker, says so)."""
+    def mine(path: str) -> Optional[str]:
+        meta = out + META_SUFFIX
+        try:
+            with open(meta, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = None
+        if isinstance(doc, dict) and doc.get("format") == FORMAT:
+            return None
+        return (f"exists and is not part of a corpus megashard prepared (no {os.path.basename(meta)} with "
+                f"format {FORMAT!r} next to it)")
+
+    return mine
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_tokenizer: Optional[int] = None,
-            workers: int = 1, text_key: str = "text", progress: bool = True) -> PrepareResult:
+            workers: int = 1, text_key: str = "text", progress: bool = True, encoding: str = "utf-8",
+            encoding_errors: str = "strict") -> PrepareResult:
     """Tokenize ``inputs`` into the indexed dataset ``out`` (a prefix); see the module docstring.
 
     Args:
-        inputs: files, directories or glob patterns (``{stdlib}`` = the standard library directory).
-        out: output prefix; its directory must exist.
+        inputs: files, directories or glob patterns (``{stdlib}`` = the standard library directory); each real file
+            is read once (:mod:`megashard.data.inputs`).
+        out: output prefix; its directory must exist. Existing files of the prefix are replaced only when they are
+            a corpus megashard prepared (its ``PREFIX.meta.json``).
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (ignored with ``train_tokenizer``).
         train_tokenizer: train a byte-level BPE tokenizer of this many ids on the inputs first.
         workers: processes tokenizing in parallel (≥ 1).
         text_key: the field of a JSON line that holds the text.
         progress: draw a progress bar on stderr.
+        encoding: the inputs' text encoding (default UTF-8).
+        encoding_errors: bytes not valid in ``encoding``: ``strict`` (an error naming the file and offset),
+            ``replace`` (U+FFFD, counted in :attr:`PrepareResult.replaced_bytes`) or ``skip-file`` (such files left
+            out, listed in :attr:`PrepareResult.skipped_files`).
 
     Raises :class:`DataError` (before anything is written) for a missing input, a missing output directory,
     a tokenizer that does not exist, bad ``workers``; an error while writing leaves no output behind.
@@ -312,26 +330,34 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         raise DataError(f"--train-tokenizer {train_tokenizer!r}: a byte-level BPE vocabulary needs "
                         f"{MIN_TRAINED_VOCAB:,}..{MAX_TRAINED_VOCAB:,} ids (more than the end-of-document token and "
                         "256 bytes), e.g. 8000; leave the option out for the byte tokenizer")
-    if not os.path.basename(out):
+    encoding = check_encoding(encoding, encoding_errors)
+    if not isinstance(out, str) or not os.path.basename(out):
         raise DataError(f"--out {out!r} must be a file prefix (e.g. data/corpus), not a directory")
     out_dir = os.path.dirname(os.path.abspath(out))
-    check_output_file("--out", out, create_parents=True)  # not under a file, writable
+    check_output_file("--out", out, create_parents=True, mine=lambda p: None)  # not under a file, writable
     if not os.path.isdir(out_dir):
         raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")
     notes: list[str] = []
     files = _text_inputs(inputs, notes)
-    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):  # not a directory, writable, no input
-        check_output_file("--out", out + suffix, reads=files)
-    for note in notes:
-        print(f"megashard data prepare: note: {note}", file=sys.stderr)
+    mine = _corpus_file_mine(out)
+    tok_input = [tokenizer] if train_tokenizer is None and tokenizer != "byte" and os.path.exists(tokenizer) else []
+    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):  # not a directory, writable, no input, ours
+        check_output_file("--out", out + suffix, reads=files + tok_input, mine=mine)
     tok = None if train_tokenizer is not None else load_tokenizer(tokenizer)
     t0 = time.perf_counter()
-    tmp_prefix = f"{out}.tmp{os.getpid()}"
-    tmp_tok = tmp_prefix + TOKENIZER_SUFFIX
-    tasks: list[_Task] = []
+    # Everything is written into a directory of this call's own next to the output, renamed into place at the end.
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.prepare-", dir=out_dir)
+    tmp_prefix = os.path.join(work, "part")
+    tmp_tok = os.path.join(work, "tokenizer.json")
+    skipped: list[str] = []
     try:
         if train_tokenizer is not None:
-            texts = (piece for f in files for doc in iter_documents(f, text_key) for piece in doc)
+            if encoding_errors == "skip-file":  # the tokenizer learns only from the files that are tokenized
+                kept = [f for f in files if _decodes(f, text_key, encoding)]
+                skipped = [f for f in files if f not in kept]
+                files = kept or files  # none left: the tokenizing below says so
+            texts = (piece for f in files for doc in iter_documents(f, text_key, encoding, encoding_errors)
+                     for piece in doc)
             if progress:
                 print(f"megashard data prepare: training a byte-level BPE tokenizer of {train_tokenizer} ids on "
                       f"{len(files)} file(s)", file=sys.stderr, flush=True)
@@ -341,11 +367,12 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         assert tok is not None
         spec = "byte" if tok.name == "byte" else tmp_tok
         dtype = dtype_name(dtype_for_vocab(tok.vocab_size))
-        tasks = _tasks(files, tmp_prefix)
+        tasks = _tasks([f for f in files if f not in skipped], tmp_prefix)
         total = sum(t.end - t.start for t in tasks)
         bar = Progress(total, "megashard data prepare", enabled=progress)
-        args = [(t, spec, text_key, dtype) for t in tasks]
+        args = [(t, spec, text_key, dtype, encoding, encoding_errors) for t in tasks]
         n = min(workers, len(tasks))
+        results: list = []
         if n > 1:
             import multiprocessing as mp
 
@@ -355,42 +382,45 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             # torch.set_num_threads(1) first: a forked child using the parent's OpenMP pool would hang.
             with mp.get_context(method).Pool(n, initializer=_worker_init) as pool:
-                results = []
                 for r in pool.imap(_run_task, args):
                     results.append(r)
                     bar.update(r[2])
         else:
-            results = []
             for a in args:
                 results.append(_run_task(a))
                 bar.update(results[-1][2])
         bar.close()
+        # A file with a skipped piece is left out whole (a large JSON-lines file is several tasks).
+        skipped += list(dict.fromkeys(t.path for t, r in zip(tasks, results) if r[4]))
+        kept = [(t, r) for t, r in zip(tasks, results) if t.path not in skipped]
+        if not kept:
+            raise DataError(f"no text left to tokenize: all {len(skipped)} input file(s) hold bytes that are not valid "
+                            f"{encoding} and --encoding-errors skip-file left them out (e.g. {skipped[0]}); give "
+                            "their --encoding")
         import torch
 
-        if len(tasks) == 1:
+        if len(kept) == 1:
             for ext in (".bin", ".idx"):
-                os.replace(tasks[0].part + ext, out + ext)
+                os.replace(kept[0][0].part + ext, out + ext)
         else:
             with IndexedDatasetBuilder(out, getattr(torch, dtype)) as merged:
-                for t in tasks:
+                for t, _ in kept:
                     merged.add_dataset(t.part)
-                    _remove_prefix_files(t.part)
         tok_name = "byte"
         if tok.name != "byte":
             os.replace(tmp_tok, out + TOKENIZER_SUFFIX)
             tok_name = os.path.basename(out) + TOKENIZER_SUFFIX
-        docs, tokens, nbytes = (sum(r[i] for r in results) for i in range(3))
+        docs, tokens, nbytes, replaced = (sum(r[i] for _, r in kept) for i in range(4))
+        replaced_files = sum(1 for _, r in kept if r[3])
         write_json_atomic(out + META_SUFFIX, {
             "format": FORMAT, "version": 1, "tokenizer": tok_name, "vocab_size": tok.vocab_size,
             "eod_id": tok.eod_id, "dtype": dtype, "documents": docs, "tokens": tokens, "input_bytes": nbytes,
-            "text_key": text_key, "inputs": list(inputs),
+            "text_key": text_key, "inputs": list(inputs), "encoding": encoding, "encoding_errors": encoding_errors,
+            "replaced_bytes": replaced, "skipped_files": skipped,
         })
-    except BaseException:
-        for t in tasks:
-            _remove_prefix_files(t.part)
-            for p in glob.glob(glob.escape(t.part) + ".*.tmp*"):
-                os.remove(p)
-        if os.path.exists(tmp_tok):
-            os.remove(tmp_tok)
-        raise
-    return PrepareResult(out, docs, tokens, nbytes, time.perf_counter() - t0, tok_name, tok.vocab_size, files)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # this call's own directory, nothing else
+    for note in notes:  # after the work: an error stays the one line of a failed command
+        print(f"megashard data prepare: note: {note}", file=sys.stderr)
+    return PrepareResult(out, docs, tokens, nbytes, time.perf_counter() - t0, tok_name, tok.vocab_size,
+                         [f for f in files if f not in skipped], replaced, replaced_files, skipped, encoding)

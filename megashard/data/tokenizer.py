@@ -80,10 +80,18 @@ Tokenizer = Union[ByteTokenizer, HFTokenizer]
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """``"byte"`` or the path of a ``tokenizer.json``; a clear :class:`DataError` for anything else."""
+    if not isinstance(spec, str) or not spec:
+        raise DataError(f"tokenizer {spec!r}: use 'byte' (built in) or the path of a Hugging Face tokenizer.json file")
     if spec == "byte":
         return ByteTokenizer()
+    if os.path.isdir(spec):
+        inside = os.path.join(spec, "tokenizer.json")
+        hint = f"give {inside}" if os.path.isfile(inside) else "give the tokenizer.json file (this one holds none)"
+        raise DataError(f"{spec}: is a directory, but a tokenizer is one Hugging Face tokenizer.json file: {hint}")
     if os.path.isfile(spec):
         return HFTokenizer(spec)
+    if os.path.lexists(spec):
+        raise DataError(f"{spec}: not a regular file (a device, pipe or broken link); give a tokenizer.json file")
     if os.sep in spec or spec.endswith(".json") or (os.altsep and os.altsep in spec):
         raise DataError(f"{spec}: tokenizer file does not exist")
     raise DataError(f"unknown tokenizer {spec!r}: use 'byte' (built in) or the path of a Hugging Face "
