@@ -19,7 +19,7 @@ import os
 from typing import Any, Optional
 
 from megashard.data.indexed import IndexedDataset, is_indexed_dataset
-from megashard.data.tokens import DTYPES, FlatTokens, TokenStream
+from megashard.data.tokens import FlatTokens, TokenStream, check_token_dtype
 from megashard.errors import DataError
 
 __all__ = ["META_SUFFIX", "TOKENIZER_SUFFIX", "FORMAT", "read_meta", "write_json_atomic", "open_tokens",
@@ -75,8 +75,6 @@ def open_tokens(path: str, flat_dtype: str = "uint16") -> TokenStream:
     if is_indexed_dataset(prefix):
         return IndexedDataset(prefix)
     if os.path.isfile(path):
-        if flat_dtype not in DTYPES:
-            raise DataError(f"data.flat_dtype={flat_dtype!r} is not a token dtype; valid: {', '.join(DTYPES)}")
-        return FlatTokens(path, flat_dtype)
+        return FlatTokens(path, check_token_dtype(flat_dtype, "data.flat_dtype"))
     raise DataError(f"{path}: no such dataset: neither {path}.bin + {path}.idx (an indexed dataset) nor a flat "
                     "token file")

@@ -92,6 +92,9 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise DataError(f"{idx_path}: unknown token dtype code {code} (valid: 1-8)")
         self.dtype = DTYPE_CODES[code]
+        if self.dtype.is_floating_point:  # Megatron's enum has them; token ids are integers
+            raise DataError(f"{idx_path}: its tokens are {dtype_name(self.dtype)} (dtype code {code}), but token ids "
+                            "are integers (uint8, int8, int16, uint16, int32, int64): not a tokenized dataset")
         item = _itemsize(self.dtype)
         need = _HEADER.size + 12 * s + 8 * d
         if size < need:

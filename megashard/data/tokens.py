@@ -23,14 +23,26 @@ import torch
 
 from megashard.errors import DataError
 
-__all__ = ["DTYPES", "dtype_name", "dtype_for_vocab", "tensor_bytes", "MappedFile", "TokenStream", "FlatTokens",
+__all__ = ["DTYPES", "check_token_dtype", "dtype_name", "dtype_for_vocab", "tensor_bytes", "MappedFile", "TokenStream", "FlatTokens",
            "TensorTokens"]
 
-#: Token dtypes by name (the names ``data.token_dtype`` and the metadata JSON use).
+#: Token dtypes by name (the names ``data.flat_dtype`` and the metadata JSON use): integers only, as token ids are
+#: (a float file read as ids would be silently wrong: 1.0 is not id 1).
 DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "uint16": torch.uint16,
-    "int32": torch.int32, "int64": torch.int64, "float32": torch.float32, "float64": torch.float64,
+    "int32": torch.int32, "int64": torch.int64,
 }
+
+
+def check_token_dtype(dtype: "torch.dtype | str", where: str) -> torch.dtype:
+    """The token dtype ``dtype`` names; DataError naming ``where`` unless it is an integer dtype of :data:`DTYPES`."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+    what = "token ids are integers" if str(name).startswith(("float", "bfloat", "complex")) else "not a token dtype"
+    raise DataError(f"{where}={name!r}: {what}; valid: {', '.join(DTYPES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -138,10 +150,7 @@ class FlatTokens(TensorTokens):
     """
 
     def __init__(self, path: str, dtype: "torch.dtype | str" = torch.uint16) -> None:
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise DataError(f"token dtype {dtype!r} is not supported; valid: {', '.join(DTYPES)}")
-            dtype = DTYPES[dtype]
+        dtype = check_token_dtype(dtype, "token dtype")
         self.dtype = dtype
         self._file = MappedFile(path)
         item = torch.empty((), dtype=dtype).element_size()

@@ -23,6 +23,7 @@ from megashard.train.sections import (  # noqa: F401  (the section classes are i
     COMPILE_BACKENDS,
     CONFIG_SECTIONS,
     DTYPES,
+    FLAT_DTYPES,
     PIPELINE_SCHEDULE_NAMES,
     SCHEDULES,
     SECTION_NAMES,
@@ -381,6 +382,9 @@ class JobConfig:
             check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
         _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+        _need(d.flat_dtype in FLAT_DTYPES, f"data.flat_dtype={d.flat_dtype!r} is not a token dtype"
+              + ("; token ids are integers" if str(d.flat_dtype).startswith(("float", "bfloat")) else "")
+              + f"; valid: {', '.join(FLAT_DTYPES)}")
         _need(t.eval_interval >= 0 and t.eval_batches >= 1,
               f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
         _need(t.eval_interval == 0 or d.valid_fraction > 0,

@@ -261,11 +261,14 @@ class Batches:
 
     def _split(self, d: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.samples.tokens(d, w)
-        if rows.numel() and int(rows.max()) >= self.vocab_size:
-            bad = int(torch.nonzero(rows.max(dim=1).values >= self.vocab_size)[0])
+        if rows.numel() and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
+            out = (rows >= self.vocab_size) | (rows < 0)
+            bad = int(torch.nonzero(out.any(dim=1))[0])
             src = self.samples.sources[int(d[bad])]
-            raise DataError(f"{src.name}: token id {int(rows[bad].max())} in sample {int(w[bad])} is outside "
-                            f"model.vocab_size={self.vocab_size}: raise model.vocab_size to the tokenizer's vocabulary")
+            tok = int(rows[bad][out[bad]][0])
+            raise DataError(f"{src.name}: token id {tok} in sample {int(w[bad])} is outside "
+                            f"model.vocab_size={self.vocab_size} (ids 0..{self.vocab_size - 1}): raise model.vocab_size to the tokenizer's vocabulary, or check "
+                            "the dataset's token dtype")
         chunk = self.seq_len // self.cp_size
         lo = self.cp_rank * chunk
         x, y = rows[:, lo: lo + chunk], rows[:, lo + 1: lo + chunk + 1]

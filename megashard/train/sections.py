@@ -17,6 +17,8 @@ from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig, defaul
 
 DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
+#: ``data.flat_dtype``: integer token dtypes (megashard.data.tokens.DTYPES; kept torch-free here).
+FLAT_DTYPES = ("uint8", "int8", "int16", "uint16", "int32", "int64")
 SCHEDULES = ("cosine", "linear", "constant")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
@@ -118,7 +120,8 @@ class DataConfig:
     1/65,536 of the total, or its dataset would never be drawn). When given it replaces
     ``path`` (and ``prepare_inputs``). On the command line: ``data.blend=[[0.7,data/a],[0.3,data/b]]``."""
     flat_dtype: str = "uint16"
-    """``indexed``: token dtype of flat token files (paths without an ``.idx``): uint8, uint16, int32, ..."""
+    """``indexed``: token dtype of flat token files (paths without an ``.idx``): an integer type, uint8, int8, int16,
+    uint16, int32 or int64 (token ids are integers: float files are refused)."""
     valid_fraction: float = 0.0
     """Share of every dataset's samples held out for validation (a seeded choice, disjoint from training), in [0, 1)."""
     prepare_inputs: Optional[list[str]] = None
