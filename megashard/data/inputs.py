@@ -187,21 +187,21 @@ def not_text(path: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- decoding
-def check_encoding(encoding: str, errors: str) -> str:
+def check_encoding(encoding: str, errors: str, options: tuple[str, str] = ("--encoding ", "--encoding-errors ")) -> str:
     """The codec name of ``encoding``; DataError for an unknown one, one that does not write a line end as the byte
     ``\\n`` (UTF-16/32: files are cut at line ends), or an unknown ``errors`` choice."""
     if errors not in ENCODING_ERRORS:
-        raise DataError(f"--encoding-errors {errors!r}: choose one of {', '.join(ENCODING_ERRORS)}")
+        raise DataError(f"{options[1]}{errors!r}: choose one of {', '.join(ENCODING_ERRORS)}")
     try:
         info = codecs.lookup(encoding)
     except (LookupError, TypeError):
-        raise DataError(f"--encoding {encoding!r}: not an encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
+        raise DataError(f"{options[0]}{encoding!r}: not an encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
     try:
         ok = "\n".encode(info.name) == b"\n" and "a".encode(info.name) == b"a"
     except (UnicodeError, LookupError):
         ok = False
     if not ok:
-        raise DataError(f"--encoding {encoding}: files are read line by line, which {info.name} (several bytes per "
+        raise DataError(f"{options[0]}{encoding}: files are read line by line, which {info.name} (several bytes per "
                         "character) does not allow; convert them to UTF-8 first (iconv -t utf-8)")
     return info.name
 
@@ -231,8 +231,9 @@ class Decoder:
 
     SkipFile = _SkipFile
 
-    def __init__(self, path: str, encoding: str = "utf-8", errors: str = "strict") -> None:
-        self.path, self.encoding, self.errors = path, encoding, errors
+    def __init__(self, path: str, encoding: str = "utf-8", errors: str = "strict",
+                 options: tuple[str, str] = ("--encoding ", "--encoding-errors ")) -> None:
+        self.path, self.encoding, self.errors, self.options = path, encoding, errors, options
         self.replaced = 0
         self._dec = codecs.getincrementaldecoder(encoding)(errors="megashard-replace" if errors == "replace" else "strict")
         self._offset = 0  # bytes consumed before the current piece
@@ -256,8 +257,8 @@ class Decoder:
             byte = piece[e.start: e.start + 1].hex() or "??"
             raise DataError(
                 f"{self.path}: byte 0x{byte} at offset {at:,}{line} is not valid {self.encoding}: the text "
-                f"would be changed; give the file's encoding (--encoding latin-1, cp1252, ...), or choose "
-                f"--encoding-errors replace (U+FFFD, counted) or skip-file (leave such files out, counted)"
+                f"would be changed; give the file's encoding ({self.options[0]}latin-1, cp1252, ...), or choose "
+                f"{self.options[1]}replace (U+FFFD, counted) or skip-file (leave such files out, counted)"
             ) from None
         self.replaced += _REPLACED[0] - before
         self._offset += len(piece)

@@ -41,14 +41,16 @@ from megashard.data.tokens import dtype_for_vocab, dtype_name
 from megashard.errors import DataError
 from megashard.progress import Progress
 
-__all__ = ["prepare", "PrepareResult", "expand_inputs", "iter_documents"]
+__all__ = ["prepare", "PrepareResult", "expand_inputs", "text_inputs", "iter_documents", "check_prepare_outputs"]
 
 JSONL = (".jsonl", ".json")
 PIECE = 32 << 20  # bytes of a JSON-lines task
 CHUNK = 1 << 20  # bytes read at a time from a text file
 WHOLE = 16 << 20  # a text document up to this size is tokenized in one piece by BPE tokenizers
 BATCH = 256  # JSON-lines documents tokenized together
-MIN_TRAINED_VOCAB, MAX_TRAINED_VOCAB = 258, 1 << 24  # --train-tokenizer: > EOD + 256 bytes; int32 ids, sane size
+MIN_TRAINED_VOCAB, MAX_TRAINED_VOCAB = 258, 1 << 24
+CLI_OPTIONS = ("--encoding ", "--encoding-errors ")  # how errors name the encoding settings (megashard run: data.prepare_*)
+RUN_OPTIONS = ("data.prepare_encoding=", "data.prepare_encoding_errors=")  # --train-tokenizer: > EOD + 256 bytes; int32 ids, sane size
 
 
 @dataclass
@@ -78,7 +80,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return [f for f, _ in expand(inputs).files]
 
 
-def _text_inputs(inputs: Sequence[str], notes: Optional[list[str]] = None) -> list[str]:
+def text_inputs(inputs: Sequence[str], notes: Optional[list[str]] = None) -> list[str]:
     """The files to tokenize: a file named on its own must be non-empty text (DataError otherwise); empty and
     binary files found in a directory or by a glob are left out, and files reached twice are read once (both
     said in ``notes``)."""
@@ -162,10 +164,11 @@ def _jsonl_docs(path: str, start: int, end: int, key: str, dec: Optional[Decoder
             pos = f.tell()
 
 
-def iter_documents(path: str, key: str = "text", encoding: str = "utf-8",
-                   errors: str = "strict") -> Iterator[Iterator[str]]:
-    """Every document of one input file, each as an iterator of text pieces (for tokenizer training)."""
-    dec = Decoder(path, encoding, errors)
+def iter_documents(path: str, key: str = "text", encoding: str = "utf-8", errors: str = "strict",
+                   options: tuple[str, str] = CLI_OPTIONS) -> Iterator[Iterator[str]]:
+    """Every document of one input file, each as an iterator of text pieces (for tokenizer training); ``options``:
+    how an error names the encoding settings."""
+    dec = Decoder(path, encoding, errors, options)
     if path.endswith(JSONL):
         for text in _jsonl_docs(path, 0, os.path.getsize(path), key, dec):
             yield iter([text])
@@ -234,17 +237,17 @@ def _worker_init() -> None:
     torch.set_num_threads(1)
 
 
-def _run_task(args: tuple[_Task, str, str, str, str, str]) -> tuple[int, int, int, int, bool]:
+def _run_task(args: tuple[_Task, str, str, str, str, str, tuple]) -> tuple[int, int, int, int, bool]:
     """Tokenize one task into its partial dataset; returns (documents, tokens, input bytes, bytes replaced by
     U+FFFD, skipped: the file has bytes not valid in the encoding under skip-file, and its partial dataset is
     dropped)."""
-    task, spec, key, dtype, encoding, errors = args
+    task, spec, key, dtype, encoding, errors, options = args
     tok = _TOKENIZER.get(spec) or _TOKENIZER.setdefault(spec, load_tokenizer(spec))
     import torch
 
     eod = [tok.eod_id] if tok.eod_id is not None else []
     byte = tok.name == "byte"
-    dec = Decoder(task.path, encoding, errors)
+    dec = Decoder(task.path, encoding, errors, options)
     try:
         with IndexedDatasetBuilder(task.part, getattr(torch, dtype)) as b:
             if task.path.endswith(JSONL):
@@ -298,9 +301,21 @@ def _corpus_file_mine(out: str) -> "Callable[[str], Optional[str]]":
     return mine
 
 
+def check_prepare_outputs(out: str, reads: Sequence[str], option: str = "--out") -> None:
+    """The files of corpus ``out`` (``.bin``, ``.idx``, ``.meta.json``, ``.tokenizer.json``) may be written: not a
+    directory, writable, none of ``reads`` (the inputs), and an existing one only as part of a corpus megashard
+    prepared. ConfigError naming ``option``."""
+    from megashard.outputs import check_output_file
+
+    mine = _corpus_file_mine(out)
+    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):
+        check_output_file(option, out + suffix, reads=reads, mine=mine,
+                          create_parents=True)
+
+
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_tokenizer: Optional[int] = None,
             workers: int = 1, text_key: str = "text", progress: bool = True, encoding: str = "utf-8",
-            encoding_errors: str = "strict") -> PrepareResult:
+            encoding_errors: str = "strict", options: tuple[str, str] = CLI_OPTIONS) -> PrepareResult:
     """Tokenize ``inputs`` into the indexed dataset ``out`` (a prefix); see the module docstring.
 
     Args:
@@ -317,6 +332,8 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         encoding_errors: bytes not valid in ``encoding``: ``strict`` (an error naming the file and offset),
             ``replace`` (U+FFFD, counted in :attr:`PrepareResult.replaced_bytes`) or ``skip-file`` (such files left
             out, listed in :attr:`PrepareResult.skipped_files`).
+        options: how errors name the two encoding settings (the CLI's options, or ``megashard run``'s
+            ``data.prepare_encoding`` / ``data.prepare_encoding_errors``).
 
     Raises :class:`DataError` (before anything is written) for a missing input, a missing output directory,
     a tokenizer that does not exist, bad ``workers``; an error while writing leaves no output behind.
@@ -330,7 +347,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         raise DataError(f"--train-tokenizer {train_tokenizer!r}: a byte-level BPE vocabulary needs "
                         f"{MIN_TRAINED_VOCAB:,}..{MAX_TRAINED_VOCAB:,} ids (more than the end-of-document token and "
                         "256 bytes), e.g. 8000; leave the option out for the byte tokenizer")
-    encoding = check_encoding(encoding, encoding_errors)
+    encoding = check_encoding(encoding, encoding_errors, options)
     if not isinstance(out, str) or not os.path.basename(out):
         raise DataError(f"--out {out!r} must be a file prefix (e.g. data/corpus), not a directory")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -338,11 +355,9 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
     if not os.path.isdir(out_dir):
         raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")
     notes: list[str] = []
-    files = _text_inputs(inputs, notes)
-    mine = _corpus_file_mine(out)
+    files = text_inputs(inputs, notes)
     tok_input = [tokenizer] if train_tokenizer is None and tokenizer != "byte" and os.path.exists(tokenizer) else []
-    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):  # not a directory, writable, no input, ours
-        check_output_file("--out", out + suffix, reads=files + tok_input, mine=mine)
+    check_prepare_outputs(out, files + tok_input)
     tok = None if train_tokenizer is not None else load_tokenizer(tokenizer)
     t0 = time.perf_counter()
     # Everything is written into a directory of this call's own next to the output, renamed into place at the end.
@@ -356,7 +371,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
                 kept = [f for f in files if _decodes(f, text_key, encoding)]
                 skipped = [f for f in files if f not in kept]
                 files = kept or files  # none left: the tokenizing below says so
-            texts = (piece for f in files for doc in iter_documents(f, text_key, encoding, encoding_errors)
+            texts = (piece for f in files for doc in iter_documents(f, text_key, encoding, encoding_errors, options)
                      for piece in doc)
             if progress:
                 print(f"megashard data prepare: training a byte-level BPE tokenizer of {train_tokenizer} ids on "
@@ -370,7 +385,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
         tasks = _tasks([f for f in files if f not in skipped], tmp_prefix)
         total = sum(t.end - t.start for t in tasks)
         bar = Progress(total, "megashard data prepare", enabled=progress)
-        args = [(t, spec, text_key, dtype, encoding, encoding_errors) for t in tasks]
+        args = [(t, spec, text_key, dtype, encoding, encoding_errors, options) for t in tasks]
         n = min(workers, len(tasks))
         results: list = []
         if n > 1:

@@ -382,6 +382,9 @@ class JobConfig:
             check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
         _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+        _need(d.prepare_encoding_errors in ("strict", "replace", "skip-file"),
+              f"data.prepare_encoding_errors={d.prepare_encoding_errors!r} is not supported; valid: strict, replace, "
+              "skip-file")
         _need(d.flat_dtype in FLAT_DTYPES, f"data.flat_dtype={d.flat_dtype!r} is not a token dtype"
               + ("; token ids are integers" if str(d.flat_dtype).startswith(("float", "bfloat")) else "")
               + f"; valid: {', '.join(FLAT_DTYPES)}")

@@ -119,6 +119,7 @@ def check_corpus(job: JobConfig, tp: int) -> None:
     for _, path in data_paths(d):
         if d.prepare_inputs and d.blend is None and path == d.path and not corpus_exists(path):
             missing = True
+            check_prepare(job, tp)  # what the launcher will prepare: inputs, tokenizer, output, vocabulary
             continue  # prepared by the launcher before the workers start, then checked again
         stream = open_tokens(path, d.flat_dtype)
         if stream.num_tokens <= m.seq_len:
@@ -140,6 +141,43 @@ def check_corpus(job: JobConfig, tp: int) -> None:
         seen[path] = key
     if not missing:
         check_samples(job)
+
+
+def check_prepare(job: JobConfig, tp: int = 1) -> None:
+    """What :func:`ensure_corpus` will do, checked before anything is written (a dry run sees it too): every
+    ``data.prepare_inputs`` entry names text files (a glob that matches nothing, an empty or binary file is an
+    error), ``data.prepare_tokenizer`` loads, ``model.vocab_size`` covers its vocabulary, and the corpus files of
+    ``data.path`` may be written (not an input, not a file megashard did not make). DataError / ConfigError."""
+    from megashard.data.inputs import check_encoding
+    from megashard.data.prepare import RUN_OPTIONS, check_prepare_outputs, iter_documents, text_inputs
+    from megashard.data.tokenizer import load_tokenizer
+
+    d, m = job.data, job.model
+    why = f"data.path={d.path} has no corpus yet, so megashard run would prepare it"
+    check_encoding(d.prepare_encoding, d.prepare_encoding_errors, RUN_OPTIONS)
+    try:
+        files = text_inputs(d.prepare_inputs)
+        if d.prepare_encoding_errors == "strict" and sum(os.path.getsize(f) for f in files) <= SCAN_BYTES:
+            for f in files:  # small enough to read here: every byte valid in the encoding (as prepare will read it)
+                for doc in iter_documents(f, "text", d.prepare_encoding, "strict", RUN_OPTIONS):
+                    for _ in doc:
+                        pass
+    except DataError as e:
+        raise ConfigError(f"data.prepare_inputs ({why}): {e}") from None
+    try:
+        tok = load_tokenizer(d.prepare_tokenizer)
+    except DataError as e:
+        raise ConfigError(f"data.prepare_tokenizer={d.prepare_tokenizer!r} ({why}): {e}") from None
+    if m.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.prepare_tokenizer="
+                          f"{d.prepare_tokenizer} ({tok.vocab_size} ids): use model.vocab_size={_pad(tok.vocab_size, tp)}"
+                          f" (a multiple of tp={tp})")
+    out_dir = os.path.dirname(os.path.abspath(d.path))
+    from megashard.outputs import check_output_dir
+
+    check_output_dir("data.path=", out_dir, reads=[])  # creatable, writable (ensure_corpus creates it)
+    check_prepare_outputs(d.path, files + ([d.prepare_tokenizer] if d.prepare_tokenizer != "byte" else []),
+                          option="data.path=")
 
 
 #: Datasets without a recorded vocabulary (flat token files, corpora without metadata) up to this size are scanned
@@ -197,8 +235,10 @@ def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:
     out = stream or sys.stderr
     print(note, file=out, flush=True)
     os.makedirs(os.path.dirname(d.path) or ".", exist_ok=True)
-    prepare(d.prepare_inputs, d.path, d.prepare_tokenizer, workers=min(4, os.cpu_count() or 1),
-            progress=False)
+    from megashard.data.prepare import RUN_OPTIONS
+
+    prepare(d.prepare_inputs, d.path, d.prepare_tokenizer, workers=min(4, os.cpu_count() or 1), progress=False,
+            encoding=d.prepare_encoding, encoding_errors=d.prepare_encoding_errors, options=RUN_OPTIONS)
     return note
 
 

@@ -129,6 +129,11 @@ class DataConfig:
     Python standard library) that ``megashard run`` tokenizes into ``path`` first if no corpus is there yet."""
     prepare_tokenizer: str = "byte"
     """Tokenizer for ``prepare_inputs``: ``byte`` or the path of a Hugging Face tokenizer.json."""
+    prepare_encoding: str = "utf-8"
+    """Text encoding of ``prepare_inputs`` (``megashard data prepare --encoding``): utf-8, latin-1, cp1252, ..."""
+    prepare_encoding_errors: str = "strict"
+    """Bytes of ``prepare_inputs`` not valid in ``prepare_encoding``: ``strict`` (an error naming the file and offset,
+    before any process starts), ``replace`` (U+FFFD, counted) or ``skip-file`` (such files left out, counted)."""
     num_sequences: int = 4096
     """Synthetic: sequences in the dataset (the loop cycles through a seeded permutation of them each epoch)."""
     branching: int = 4
