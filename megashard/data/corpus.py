@@ -53,10 +53,35 @@ def read_meta(path: str) -> Optional[dict[str, Any]]:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise DataError(f"{meta_path}: unreadable corpus metadata: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("vocab_size"), int):
-        raise DataError(f"{meta_path}: not megashard corpus metadata (needs format={FORMAT!r} and an integer "
-                        "vocab_size); delete it or prepare the corpus again")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = f"format={meta.get('format')!r}" if isinstance(meta, dict) else f"a JSON {type(meta).__name__}"
+        raise DataError(f"{meta_path}: not megashard corpus metadata (needs a JSON object with format={FORMAT!r}, "
+                        f"got {got}): delete it and prepare the corpus again (megashard data prepare)")
+    for key, kind, ok, required in _META_FIELDS:
+        if key not in meta:
+            if required:
+                raise DataError(f"{meta_path}: corpus metadata has no {key} ({kind}); the file is damaged: prepare "
+                                "the corpus again (megashard data prepare)")
+            continue
+        if not ok(meta[key]):
+            raise DataError(f"{meta_path}: {key} must be {kind}, got {meta[key]!r} ({type(meta[key]).__name__}); "
+                            "the file is damaged: prepare the corpus again (megashard data prepare)")
     return meta
+
+
+def _int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+#: (key, expected, check, required) of every metadata field megashard reads.
+_META_FIELDS = (
+    ("tokenizer", "a string ('byte' or a tokenizer file name)", lambda v: isinstance(v, str) and bool(v), True),
+    ("vocab_size", "a positive integer", lambda v: _int(v, 1), True),
+    ("eod_id", "an integer >= 0 or null", lambda v: v is None or _int(v), False),
+    ("dtype", "a token dtype name (uint8, uint16, int32, ...)", lambda v: isinstance(v, str), False),
+    ("documents", "an integer >= 0", _int, False),
+    ("tokens", "an integer >= 0", _int, False),
+)
 
 
 def write_json_atomic(path: str, doc: dict[str, Any]) -> None:

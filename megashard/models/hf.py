@@ -203,23 +203,93 @@ def _rope_theta(doc: dict) -> Any:
     return params.get("rope_theta", doc.get("rope_theta", 10000.0))
 
 
+#: The ``config.json`` keys megashard reads, by ``model_type``: (key, expected type, required). Every value is
+#: type-checked before it is compared, so a string where a number belongs is named as such (not "64 != 64").
+_INT, _NUM, _BOOL, _STR, _MAP = "an integer", "a number", "true or false", "a string", "a mapping"
+_HF_KEYS = {
+    "llama": [("hidden_size", _INT, True), ("num_hidden_layers", _INT, True), ("num_attention_heads", _INT, True),
+              ("intermediate_size", _INT, True), ("vocab_size", _INT, True), ("max_position_embeddings", _INT, True),
+              ("num_key_value_heads", _INT, False), ("head_dim", _INT, False), ("rms_norm_eps", _NUM, False),
+              ("rope_theta", _NUM, False), ("tie_word_embeddings", _BOOL, False), ("attention_bias", _BOOL, False),
+              ("mlp_bias", _BOOL, False), ("hidden_act", _STR, False), ("rope_scaling", _MAP, False),
+              ("rope_parameters", _MAP, False)],
+    "gpt2": [("n_embd", _INT, True), ("n_layer", _INT, True), ("n_head", _INT, True), ("vocab_size", _INT, True),
+             ("n_positions", _INT, True), ("n_inner", _INT, False), ("layer_norm_epsilon", _NUM, False),
+             ("tie_word_embeddings", _BOOL, False), ("activation_function", _STR, False),
+             ("scale_attn_by_inverse_layer_idx", _BOOL, False)],
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _NUM:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {_BOOL: bool, _STR: str, _MAP: dict}[kind])
+
+
+def _check_types(doc: dict, model_type: str, where: str) -> None:
+    """ConfigError naming the file, the key and the expected type for a missing required key or a value of
+    another type (null is allowed for the optional ones: Hugging Face's default)."""
+    for key, kind, required in _HF_KEYS[model_type]:
+        if key not in doc or doc[key] is None:
+            if required:
+                raise ConfigError(f"model.init_from: {where} has no {key} ({kind}), which every {model_type} "
+                                  "config.json holds: the file is incomplete or not a Hugging Face config")
+            continue
+        v = doc[key]
+        if not _is(v, kind):
+            raise ConfigError(f"model.init_from: {where}: {key} must be {kind}, got {json_repr(v)} "
+                              f"({type(v).__name__}); the file is damaged or hand-edited")
+        if kind == _INT and v < 1 and key != "head_dim":
+            raise ConfigError(f"model.init_from: {where}: {key}={v} must be a positive integer")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = doc.get(key)
+        if isinstance(rope, dict) and "rope_type" in rope and not isinstance(rope["rope_type"], (str, type(None))):
+            raise ConfigError(f"model.init_from: {where}: {key}.rope_type must be a string, got "
+                              f"{json_repr(rope['rope_type'])}")
+        if isinstance(rope, dict) and "rope_theta" in rope and not _is(rope["rope_theta"], _NUM):
+            raise ConfigError(f"model.init_from: {where}: {key}.rope_theta must be a number, got "
+                              f"{json_repr(rope['rope_theta'])}")
+
+
+def json_repr(v: Any) -> str:
+    """A value as the JSON file writes it (``"64"`` for a string, ``[1, 2]``), cut at 60 characters."""
+    import json
+
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_hf_config(doc: dict, cfg: ModelConfig, ffn: int, where: str) -> None:
     """Raise a one-line :class:`ConfigError` naming the first field of Hugging Face ``config.json`` ``doc`` that
-    does not describe the model section ``cfg`` (``where``: the file, for the message)."""
+    does not describe the model section ``cfg`` (``where``: the file, for the message): a document that is not a
+    JSON object, a missing required key or a value of the wrong type first, then a value that differs."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"model.init_from: {where} must hold a JSON object (a Hugging Face config), got a "
+                          f"{type(doc).__name__}: {json_repr(doc)}")
     _, model_type = HF_ARCH[cfg.arch]
+    if not isinstance(doc.get("model_type"), (str, type(None))):
+        raise ConfigError(f"model.init_from: {where}: model_type must be a string, got {json_repr(doc['model_type'])}")
     if doc.get("model_type") != model_type:
         other = [a for a, (_, t) in HF_ARCH.items() if t == doc.get("model_type")]
         fix = (f"set model.arch={other[0]}" if other
                else f"supported: {', '.join(t for _, t in HF_ARCH.values())}")
         raise ConfigError(f"model.init_from: {where} has model_type={doc.get('model_type')!r} but model.arch="
                           f"{cfg.arch!r} needs {model_type!r}; {fix}")
+    _check_types(doc, model_type, where)
     want = hf_config(cfg, ffn)
     if cfg.arch == "llama":
         checks = [("hidden_size", "model.hidden", None), ("num_hidden_layers", "model.layers", None),
                   ("num_attention_heads", "model.heads", None), ("intermediate_size", "model.ffn_hidden", None),
                   ("vocab_size", "model.vocab_size", None), ("rms_norm_eps", "model.norm_eps", None),
                   ("tie_word_embeddings", "model.tie_embeddings", None)]
-        got = dict(doc)
+        got = {k: v for k, v in doc.items() if v is not None}  # null: Hugging Face's default (LlamaConfig's below)
+        got.setdefault("rms_norm_eps", 1e-6)
+        got.setdefault("tie_word_embeddings", False)
         got.setdefault("num_key_value_heads", doc.get("num_attention_heads"))
         got.setdefault("head_dim", (doc.get("hidden_size") or 0) // max(1, doc.get("num_attention_heads") or 1))
         got["rope_theta"] = _rope_theta(doc)
@@ -238,7 +308,7 @@ def check_hf_config(doc: dict, cfg: ModelConfig, ffn: int, where: str) -> None:
                               "default (unscaled) one")
         pos_key = "max_position_embeddings"
     else:
-        got = dict(doc)
+        got = {k: v for k, v in doc.items() if v is not None}  # null: Hugging Face's default (GPT2Config's below)
         got["n_inner"] = doc.get("n_inner") or 4 * (doc.get("n_embd") or 0)
         got.setdefault("tie_word_embeddings", True)
         got.setdefault("activation_function", "gelu_new")
@@ -254,7 +324,7 @@ def check_hf_config(doc: dict, cfg: ModelConfig, ffn: int, where: str) -> None:
         a, b = got.get(key), want[key]
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, (int, float)) else a == b
         if not same:
-            fix = f"set {field}={_yaml(a)}" if field and rule is None else rule
+            fix = f"set {field}={_yaml(a)}" if field and rule is None and a is not None else rule or f"add {key}"
             raise ConfigError(f"model.init_from: {where} has {key}={_yaml(a)} but the model section gives {_yaml(b)}"
                               + (f" ({field})" if field and rule is None else "") + f": {fix}")
     positions = doc.get(pos_key)

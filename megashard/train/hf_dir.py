@@ -36,10 +36,26 @@ def _weight_map(root: str) -> dict[str, str]:
     if os.path.isfile(index):
         try:
             with open(index, encoding="utf-8") as f:
-                wm = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"model.init_from: {index} is not a safetensors index ({e})") from None
-        return {k: os.path.join(root, v) for k, v in wm.items()}
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.init_from: {index} is not valid JSON ({e})") from None
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict) or "weight_map" not in doc:
+            raise ConfigError(f"model.init_from: {index} has no weight_map (a mapping of tensor name to safetensors "
+                              "file): not a safetensors index")
+        if not isinstance(wm, dict) or not wm:
+            raise ConfigError(f"model.init_from: {index}: weight_map must be a non-empty mapping of tensor name to "
+                              f"safetensors file, got {type(wm).__name__}")
+        out = {}
+        for k, v in wm.items():
+            if not isinstance(v, str) or not v.endswith(".safetensors") or os.path.basename(v) != v:
+                raise ConfigError(f"model.init_from: {index}: weight_map[{k!r}] must be the name of a .safetensors "
+                                  f"file in {root}, got {v!r}")
+            path = os.path.join(root, v)
+            if not os.path.isfile(path):
+                raise ConfigError(f"model.init_from: {index}: weight_map[{k!r}] names {v}, which {root} does not hold")
+            out[k] = path
+        return out
     single = os.path.join(root, SINGLE)
     if not os.path.isfile(single):
         raise ConfigError(f"model.init_from={root!r} holds neither {SINGLE} nor {INDEX}: give a Hugging Face model "
