@@ -80,6 +80,11 @@ class UnevenDTensorError(ShardingError):
     """An uneven DTensor's local shards do not tile its global shape, or an operation cannot handle its layout."""
 
 
+class NotADTensorError(UnevenDTensorError, TypeError):
+    """A DTensor helper was given something else (a plain tensor has no device mesh or placements): catchable as
+    TypeError too, as Megatron-FSDP raises for its own such helpers."""
+
+
 class StateDictMismatchError(MegashardError, RuntimeError):
     """Ranks that share a device mesh passed state dicts with different DTensor keys, shapes or placements."""
 

@@ -24,7 +24,22 @@ def _as_list(optimizer) -> list:
         return []
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
-    return list(optimizer)
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    if opts is None or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        what = type(optimizer).__name__ if opts is None else f"a {type(optimizer).__name__} holding " + ", ".join(
+            sorted({type(o).__name__ for o in opts if not isinstance(o, torch.optim.Optimizer)}))
+        hint = " (a state dict? pass the optimizer itself)" if isinstance(optimizer, dict) else ""
+        raise CheckpointError(f"optimizer= expects a torch.optim.Optimizer or a list of them, got {what}{hint}")
+    return opts
+
+
+def _check_model(model: object) -> None:
+    """CheckpointError unless ``model`` is a torch.nn.Module (or None), naming what was given and what to do."""
+    if model is None or isinstance(model, torch.nn.Module):
+        return
+    hint = (": pass the module itself (model=model), or save a state dict of your own with sections={'model': sd} "
+            "(or state_dict=sd, saved under 'extra')") if isinstance(model, dict) else ""
+    raise CheckpointError(f"model= expects a torch.nn.Module, got {type(model).__name__}{hint}")
 
 
 def collect_state_dict(model, optimizer, extra: Optional[dict], sections: Optional[dict] = None) -> dict:
@@ -35,6 +50,7 @@ def collect_state_dict(model, optimizer, extra: Optional[dict], sections: Option
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    _check_model(model)
     opts = _as_list(optimizer)
     sd: dict = {}
     if opts and model is None:

@@ -24,6 +24,11 @@ BACKENDS = ("auto", "nccl", "gloo", "fake")
 DEVICES = ("auto", "cpu", "cuda")
 #: Largest process-group timeout in seconds (~31 years; larger values overflow torch's timedelta handling).
 MAX_TIMEOUT = 1e9
+#: The seeds a torch generator takes (``torch.manual_seed``: an int in this range, negatives remapped).
+TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
+#: ``parallel.seed``: far enough inside the generator's range that every seed derived from it (seed + 2718 + tp rank,
+#: + 7919 · step for dropout, + data.seed) is one too.
+MAX_SEED = 2**62
 #: Smallest process-group timeout that works: every rank must connect to each new group and reach every
 #: collective within it. Measured on gloo (4 ranks on one 2-core machine, 3 tries each): 0.01-0.3 s failed every
 #: time or nearly, 0.5 s one time in three (DistStoreError / DistNetworkError in every worker), 1 s always worked.
@@ -145,6 +150,10 @@ class ParallelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name}={v!r} must be an integer")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed} must be in 0..2**62 (0..{MAX_SEED:,}): the streams' seeds derived from "
+                              "it (seed + 2718 + tp rank, + 7919 per step) must stay in a torch generator's range "
+                              "-2**63..2**64-1")
         sizes = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")
         for name in sizes:
             v = getattr(self, name)

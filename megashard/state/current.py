@@ -67,8 +67,16 @@ def get_parallel_state() -> ParallelState:
 
 
 def set_parallel_state(state: ParallelState | None) -> ParallelState | None:
-    """Make ``state`` current (e.g. while running one module of a multi-module model); returns the previous one."""
+    """Make ``state`` current (e.g. while running one module of a multi-module model); returns the previous one.
+    ``state``: a :class:`ParallelState` (from :func:`initialize` or :func:`get_parallel_state`) or None."""
     global _CURRENT
+    if state is not None and not isinstance(state, ParallelState):
+        from megashard.errors import StateError
+
+        hint = (" (a group name: give the state itself, e.g. megashard.get_parallel_state(), and use "
+                "state.group(name) for a group)") if isinstance(state, str) else ""
+        raise StateError(f"set_parallel_state({state!r}): expects a ParallelState (from megashard.initialize) or "
+                         f"None, got {type(state).__name__}{hint}")
     prev, _CURRENT = _CURRENT, state
     return prev
 

@@ -121,6 +121,14 @@ def seeds_for_ranks(seed: int, tp_rank: int, ep_rank: int, expt_tp_rank: int) ->
             raise ConfigError(f"model_parallel_manual_seed: {what} must be an int, got {value!r}")
         if what != "seed" and value < 0:
             raise ConfigError(f"model_parallel_manual_seed: {what} must be >= 0, got {value}")
+    from megashard.config.parallel import TORCH_SEED_RANGE
+
+    lo, hi = TORCH_SEED_RANGE
+    top = seed + max(_MODEL_PARALLEL_SEED_OFFSET + tp_rank,
+                     _EXPERT_PARALLEL_SEED_OFFSET + _EXPERT_PARALLEL_RANK_STRIDE * ep_rank + expt_tp_rank)
+    if not lo <= seed or top > hi:
+        raise ConfigError(f"model_parallel_manual_seed: seed {seed} gives stream seeds up to {top}, outside the range a "
+                          f"torch generator takes, -2**63..2**64-1 ({lo}..{hi}); use a seed in 0..2**62")
     seeds = {
         _DATA_PARALLEL_RNG_TRACKER_NAME: seed,
         _MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank,

@@ -22,6 +22,21 @@ __all__ = ["CudaRNGStatesTracker", "RNGStatesTracker"]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
+
+def check_seed(name: object, seed: object) -> None:
+    """RNGTrackerError naming stream ``name``, the seed and the legal range unless ``seed`` is an int a torch
+    generator takes (-2**63..2**64-1, :data:`megashard.config.parallel.TORCH_SEED_RANGE`)."""
+    from megashard.config.parallel import TORCH_SEED_RANGE
+
+    if not isinstance(name, str) or not name:
+        raise RNGTrackerError(f"RNG stream name {name!r} must be a non-empty string")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise RNGTrackerError(f"RNG stream {name!r}: seed must be an int, got {seed!r} ({type(seed).__name__})")
+    lo, hi = TORCH_SEED_RANGE
+    if not lo <= seed <= hi:
+        raise RNGTrackerError(f"RNG stream {name!r}: seed {seed} is outside the range a torch generator takes, "
+                              f"-2**63..2**64-1 ({lo}..{hi})")
+
 DeviceLike = Union[int, str, torch.device]
 
 
@@ -172,8 +187,7 @@ class RNGStatesTracker:
         """Create stream ``name`` seeded with ``seed``; the device generator is left unchanged."""
         if self.is_inference_rng_tracker:
             return
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise RNGTrackerError(f"RNG stream {name!r}: seed must be an int, got {seed!r} ({type(seed).__name__})")
+        check_seed(name, seed)
         if name in self.states_:
             raise RNGTrackerError(
                 f"RNG stream {name!r} already exists (streams: {sorted(self.states_)}); "
@@ -289,6 +303,7 @@ def _te_tracker_class() -> type:
         def add(self, name: str, seed: int) -> None:
             if self.is_inference_rng_tracker:
                 return
+            check_seed(name, seed)
             if name in getattr(self, "states_", {}):
                 raise RNGTrackerError(f"RNG stream {name!r} already exists (streams: {sorted(self.states_)})")
             if seed in getattr(self, "seeds_", set()):

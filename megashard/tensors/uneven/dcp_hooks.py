@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from megashard._compat import dtensor_local
 from megashard.errors import StateDictKeyError, UnevenDTensorError
-from megashard.tensors.uneven.layout import ChunkLayout, remember_layout
+from megashard.tensors.uneven.layout import ChunkLayout, remember_layout, require_dtensor
 from megashard.tensors.uneven.metadata import compute_chunk_layouts, single_layout
 
 __all__ = [
@@ -87,6 +87,7 @@ def update_uneven_dtensor_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetada
     the real local shard, and gather/split use the attached layout without communicating.
     Returns this rank's chunk.
     """
+    require_dtensor(dtensor, "update_uneven_dtensor_chunk_metadata")
     layout = single_layout(dtensor)
     attach_chunk_layout(dtensor, layout)
     return layout.chunk()

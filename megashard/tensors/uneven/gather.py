@@ -21,7 +21,7 @@ from megashard._compat import dtensor_gather_crashes, dtensor_local
 from megashard.chunks import chunk_size
 from megashard.errors import UnevenDTensorError
 from megashard.tensors.uneven.dcp_hooks import attach_chunk_layout
-from megashard.tensors.uneven.layout import ChunkLayout, Level, dim_orders, get_chunk_layout, make_layout
+from megashard.tensors.uneven.layout import ChunkLayout, Level, dim_orders, get_chunk_layout, make_layout, require_dtensor
 from megashard.tensors.uneven.metadata import (
     ERR_LAYOUT,
     ERR_LOCAL,
@@ -159,6 +159,7 @@ def gather_uneven_dtensor_to_full_tensor(
         return_dtensor: True (Megatron-FSDP's contract): a DTensor replicated on the mesh, whose
             ``to_local()`` is the full tensor; False: the plain full tensor of shape ``G``.
     """
+    require_dtensor(dtensor, "gather_uneven_dtensor_to_full_tensor")
     mesh = dtensor.device_mesh
     layout = get_chunk_layout(dtensor)
     with torch.no_grad():

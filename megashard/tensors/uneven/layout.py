@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
 from megashard._compat import dtensor_local
-from megashard.errors import UnevenDTensorError
+from megashard.errors import NotADTensorError, UnevenDTensorError
 from megashard.tensors.shape import explicit_order_placements
 
 __all__ = ["ChunkLayout", "Level", "attached_layout", "dim_orders", "get_chunk_layout", "make_layout", "remember_layout"]
@@ -81,6 +81,17 @@ def make_layout(global_shape: Sequence[int], local_shape: Sequence[int], levels:
         tuple(int(x) for x in global_shape), tuple(int(x) for x in local_shape), tuple(start), tuple(offsets),
         tuple(tuple(lv) for lv in levels), tuple(placements),
     )
+
+
+def require_dtensor(value: Any, fn: str, arg: str = "dtensor") -> None:
+    """:class:`NotADTensorError` naming the function unless ``value`` is a DTensor (checked before any collective, so
+    a plain tensor is one line, not an AttributeError from deep inside)."""
+    if isinstance(value, DTensor):
+        return
+    what = type(value).__name__
+    hint = (": a plain tensor has no device mesh or placements; make it a DTensor first, e.g. "
+            "DTensor.from_local(t, mesh, [Shard(0)])") if isinstance(value, torch.Tensor) else ""
+    raise NotADTensorError(f"{fn}({arg}=...): expects a DTensor (torch.distributed.tensor.DTensor), got {what}{hint}")
 
 
 def attached_layout(dtensor: DTensor) -> Optional[ChunkLayout]:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from megashard._compat import dtensor_local
 from megashard.errors import MegashardError, StateDictMismatchError, UnevenDTensorError
-from megashard.tensors.uneven.layout import ChunkLayout, Level, attached_layout, dim_orders, make_layout
+from megashard.tensors.uneven.layout import ChunkLayout, Level, attached_layout, dim_orders, make_layout, require_dtensor
 
 __all__ = [
     "ExchangeErrors",
@@ -375,6 +375,7 @@ def gather_and_compute_chunk_metadata(dtensor: DTensor) -> ChunkStorageMetadata:
     PyTorch's convention (an empty shard's offset is the global size of that dim). For a state dict
     use :func:`preprocess_state_dict_for_uneven_dtensor`, which batches all tensors.
     """
+    require_dtensor(dtensor, "gather_and_compute_chunk_metadata")
     return single_layout(dtensor).chunk()
 
 
@@ -388,6 +389,7 @@ def validate_uneven_dtensor(dtensor: DTensor) -> None:
 
     Raises: :class:`UnevenDTensorError` on every rank of the mesh if any rank's shard is wrong.
     """
+    require_dtensor(dtensor, "validate_uneven_dtensor")
     layout = single_layout(dtensor)
     attached = attached_layout(dtensor)
     stale = attached is not None and attached != layout

@@ -20,7 +20,7 @@ from megashard.chunks import chunk_sizes, contiguous_strides
 from megashard.errors import UnevenDTensorError
 from megashard.tensors.shape import get_local_shape_and_global_offset
 from megashard.tensors.uneven.dcp_hooks import attach_chunk_layout
-from megashard.tensors.uneven.layout import ChunkLayout, Level, dim_orders, get_chunk_layout, make_layout
+from megashard.tensors.uneven.layout import ChunkLayout, Level, dim_orders, get_chunk_layout, make_layout, require_dtensor
 from megashard.tensors.uneven.metadata import single_layout
 
 __all__ = ["split_dtensor", "_intersection", "_offset_slice"]
@@ -121,6 +121,7 @@ def split_dtensor(
 
     Yields: the pieces, in order. Example: ``for piece in split_dtensor(dt, 3, dim=1): ...``
     """
+    require_dtensor(dtensor, "split_dtensor")
     ndim = dtensor.ndim
     if not -ndim <= dim < ndim:
         raise UnevenDTensorError(f"dim {dim} is out of range for a {ndim}-d DTensor; legal: {-ndim}..{ndim - 1}")
