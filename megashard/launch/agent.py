@@ -159,6 +159,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     die_with_parent(env_pid("MEGASHARD_LAUNCHER_PID"))
     os.environ["MEGASHARD_AGENT_PID"] = str(os.getpid())  # the workers' lifeline
+    import shutil
+    import tempfile
+
+    # Where the workers of this node agree who reports an error every rank finds (megashard.launch.worker): a
+    # directory of this agent's own, removed when it ends.
+    errors = tempfile.mkdtemp(prefix="megashard-errors-")
+    os.environ["MEGASHARD_ERROR_DIR"] = errors
+    try:
+        return _main(argv)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    from megashard.launch.lifeline import hostname
 
     try:
         from torch.distributed.elastic.multiprocessing import SignalException

@@ -24,14 +24,38 @@ PEER_LOSS_GRACE_S = 15.0
 def _prints(e: BaseException, mismatch: type) -> bool:
     """Whether this rank prints error ``e``: errors every rank raises alike are printed once — a rank mismatch
     by local rank 0 of each node, an error shared from rank N ("(raised on rank N) ...",
-    :mod:`megashard.checkpoint.collective`) by rank N only."""
+    :mod:`megashard.checkpoint.collective`) by rank N only, any other by the first worker of the node to find it
+    (:func:`_first_to_say`)."""
     import os
     import re
 
     if isinstance(e, mismatch):
         return os.environ.get("LOCAL_RANK", "0") == "0"
     shared = re.match(r"\(raised on rank (\d+)\) ", str(e))
-    return shared is None or shared.group(1) == os.environ.get("RANK", "0")
+    if shared is not None:
+        return shared.group(1) == os.environ.get("RANK", "0")
+    return _first_to_say(str(e))
+
+
+def _first_to_say(text: str) -> bool:
+    """Whether this worker is the first of its node to report ``text`` (the same error found by every rank, e.g. a
+    damaged checkpoint every rank reads, is one line per job, not one per rank). The agent gives the workers of
+    a launch a directory (``MEGASHARD_ERROR_DIR``); the first to create the file named by the text's hash says
+    it. Without one (a worker started by hand) every worker says it."""
+    import hashlib
+    import os
+
+    where = os.environ.get("MEGASHARD_ERROR_DIR")
+    if not where or not os.path.isdir(where):
+        return True
+    name = os.path.join(where, hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:32])
+    try:
+        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
