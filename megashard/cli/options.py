@@ -48,6 +48,22 @@ def add_config_arguments(p: argparse.ArgumentParser, config_help: str, overrides
     p.add_argument("overrides", metavar="key=value", nargs="*", help=overrides_help)
 
 
+def check_config_first(command: str, config: str, overrides: list[str]) -> None:
+    """ConfigError when the CONFIG argument is an override (``megashard run train.steps=2 cfg.yaml``): the config file
+    comes first; the message shows the command in the right order."""
+    import os
+
+    if "=" not in config or os.path.exists(config):
+        return
+    files = [o for o in overrides if "=" not in o]
+    if files:
+        rest = [config] + [o for o in overrides if o != files[0]]
+        raise ConfigError(f"the config file comes first, then the overrides: megashard {command} {files[0]} "
+                          f"{' '.join(rest)} ({config!r} is an override, not a file)")
+    raise ConfigError(f"{config!r} is an override, but a config file must come first: megashard {command} "
+                      f"CONFIG.yaml {config} (e.g. configs/default.yaml)")
+
+
 def add_command(sub: argparse._SubParsersAction, name: str, help: str, description: str,
                 epilog: str) -> argparse.ArgumentParser:
     """The parser of a command ``megashard NAME``: one-line ``help``, ``description``, and an ``epilog`` of examples

@@ -198,6 +198,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         check_output_path("--svg", args.svg)
     flags = size_flags(args)
     job = None
+    has_model = False
+    if args.config is not None and any("=" not in o for o in args.overrides):
+        from megashard.cli.options import check_config_first
+
+        check_config_first("plan", args.config, list(args.overrides))  # `plan a=1 cfg.yaml`: the file comes first
     if args.config is not None and "=" in args.config and not os.path.exists(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None  # `plan parallel.tp=2`: no CONFIG
     if args.config is None:
@@ -215,11 +220,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if isinstance(doc, dict) and "modules" in doc:
             return _cmd_plan_modules(args, doc, flags, names)
         config, world_size, job = load_job(args.config, args.overrides, args.world_size, doc=doc)
+        # A file (or overrides) without a model section plans a layout: the default model is nobody's, so it is not
+        # checked against the stages (nor placed, nor run's refusal reported).
+        has_model = isinstance(doc, dict) and "model" in doc or any(o.strip().startswith("model.") for o in args.overrides)
         if flags:
             config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
     sizes = config.resolve(world_size)  # the one resolve of this process
     if job is not None:
-        job.check_pipeline(sizes.pp, sizes.vpp)  # what `run` refuses for any world size: the model fills the stages
+        job.check_pipeline(sizes.pp, sizes.vpp, model=has_model)  # what `run` refuses for any world size
+        if not has_model:
+            job = None  # the layout only
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"

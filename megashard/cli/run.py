@@ -41,6 +41,9 @@ def add(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     import sys
 
+    from megashard.cli.options import check_config_first
+
+    check_config_first("run", args.config, list(args.overrides))
     try:
         from megashard.launch.launcher import run
 

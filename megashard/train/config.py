@@ -234,10 +234,10 @@ class JobConfig:
               f"{fmt_divisors(t.global_batch // s.dp)}")
         self.check_pipeline(s.pp, s.vpp)
 
-    def check_pipeline(self, pp: int, vpp: Optional[int]) -> None:
+    def check_pipeline(self, pp: int, vpp: Optional[int], model: bool = True) -> None:
         """The rules of the pipeline that need no world size (``megashard plan`` applies them too): the schedule
-        against pp and vpp, microbatches >= pp for the schedules that keep one in flight per rank, and a block per
-        stage. ConfigError naming the keys, values and the way out."""
+        against pp and vpp, microbatches >= pp for the schedules that keep one in flight per rank, and (``model``) a
+        block per stage. ConfigError naming the keys, values and the way out."""
         m, t = self.model, self.train
         if pp == 1:
             return
@@ -270,7 +270,7 @@ class JobConfig:
               f"pipeline parallelism (parallel.pp={pp}): pipeline schedules recompute through torch.utils.checkpoint; "
               "set it to false (model.recompute=true still works)")
         stages = pp * v
-        _need(m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {pp} × {v} = {stages} "
+        _need(not model or m.layers >= stages, f"model.layers={m.layers} cannot fill pp × vpp = {pp} × {v} = {stages} "
               f"pipeline stages (every stage holds at least one block); use model.layers >= {stages} or lower "
               "parallel.pp / parallel.vpp")
 
