@@ -93,10 +93,23 @@ def check_int(option: str, value: int, low: int, high: int | None = None, note: 
 
 def check_output_path(option: str, path: str) -> None:
     """ConfigError when ``path`` cannot be a new file (:func:`megashard.outputs.check_output_file`): it is a
-    directory, its directory is missing, lies under a file or is not writable."""
+    directory, its directory is missing, lies under a file or is not writable, or it is an existing file that is not
+    a picture megashard drew (those are replaced: a re-run updates its own picture)."""
     from megashard.outputs import check_output_file
 
-    check_output_file(option, path, example="layout.svg")
+    check_output_file(option, path, example="layout.svg", mine=_plan_svg)
+
+
+def _plan_svg(path: str) -> str | None:
+    """None when ``path`` is an SVG ``megashard plan`` drew (its title says so), else why it may not be replaced."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2048).decode("utf-8", "replace")
+    except OSError:
+        head = ""
+    if head.startswith("<svg") and "<title>megashard plan" in head:
+        return None
+    return "exists and is not a picture megashard plan drew"
 
 
 def write_svg(path: str, svg: str, note: str = "") -> bool:
