@@ -5,7 +5,9 @@ import argparse
 import sys
 
 from megashard.cli.options import add_actions
-from megashard.data.inputs import ENCODING_ERRORS
+
+#: megashard.data.inputs.ENCODING_ERRORS (not imported: megashard.data imports torch, the parser must not).
+ENCODING_ERRORS = ("strict", "replace", "skip-file")
 
 
 def add(sub: argparse._SubParsersAction) -> None:
