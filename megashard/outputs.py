@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional
 
 from megashard.errors import ConfigError
 
-__all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "claim_dir", "marker_kinds", "owner",
+__all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "check_owned", "claim_dir", "marker_kinds", "owner",
            "is_torch_archive", "temp_path", "new_file_mode",
            "is_resolved_config", "RESOLVED_CONFIG_HEADER"]
 
@@ -290,6 +290,13 @@ def check_output_dir(option: str, path: str, *, reads: Iterable[str] = (), creat
         _check_owned(option, path, kind, replace)
     _check_parent(option, path, create_parents)
     return os.path.abspath(path)
+
+
+def check_owned(option: str, path: str, kind: str, *, reads: Iterable[str] = (), replace: bool = False) -> None:
+    """The ownership part of :func:`check_output_dir` alone (no probe written): ``path`` is neither inside nor holding
+    ``reads``, and megashard's to write into (or, ``replace``, to replace). ConfigError naming ``option``."""
+    _check_not_input(option, path, reads, "directory")
+    _check_owned(option, path, kind, replace)
 
 
 def claim_dir(path: str, kind: str, option: str = "") -> str:

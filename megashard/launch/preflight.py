@@ -26,7 +26,7 @@ def check_output_dir(path: str, field: str, kind: str = "run", reads: Iterable[s
     """ConfigError naming ``field`` unless ``path`` is megashard's to write (:func:`megashard.outputs.check_output_dir`):
     a new, empty or megashard-made directory (or one that can be created) that is writable and neither holds nor
     lies inside ``reads``."""
-    from megashard.outputs import check_output_dir as check
+    from megashard.outputs import check_owned
 
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
@@ -38,12 +38,12 @@ def check_output_dir(path: str, field: str, kind: str = "run", reads: Iterable[s
     if not os.path.isdir(existing):
         raise ConfigError(f"{field}={path!r} cannot be created: {existing} is a file, not a directory; choose "
                           "another directory")
+    check_owned(f"{field}=", path, kind, reads=reads)  # megashard's to write, away from the inputs: before the probe
     try:  # a real probe (os.access says yes to root on read-only file systems and /proc)
         os.rmdir(tempfile.mkdtemp(prefix=".megashard-probe-", dir=existing))
     except OSError as e:
         what = "is not writable" if existing == full else f"cannot be created: {existing} is not writable"
         raise ConfigError(f"{field}={path!r} {what} ({e.strerror or e}); choose a writable directory") from None
-    check(f"{field}=", path, reads=reads, kind=kind)  # megashard's to write, away from the inputs
 
 
 def job_inputs(job: JobConfig, config: Optional[str] = None) -> list[str]:
