@@ -19,7 +19,9 @@ naming the option, the path and the rule, exit code 2, and nothing read, compute
   is replaced only when the caller recognises it as megashard's own (``mine``: a corpus with megashard's
   metadata, a ``megashard plan`` picture, a ``torch.save`` archive given ``--force``).
 
-Directories written before markers existed are recognised by their contents where the evidence is unambiguous
+A checkpoint directory carries no marker: every entry megashard writes there has a name of its own
+(``step_<N>/`` holding ``COMPLETE.json``, ``.tmp-step_<N>``, the lock), by which it is recognised, and retention,
+restarts and cleanup touch only those. Directories written before markers existed are recognised by their contents where the evidence is unambiguous
 (:func:`_recognised`): *every* entry is one megashard writes there, and at least one carries megashard's own
 signature (the resolved config's header line, a checkpoint's ``megashard.json`` / ``COMPLETE.json``, a
 checkpoint lock). Such a directory is marked the first time megashard writes into it again, so existing runs

@@ -365,11 +365,12 @@ def test_a_run_directory_is_marked_and_an_older_one_resumes(trained, tmp_path, c
     from megashard import outputs
 
     assert outputs.marker_kinds(trained) == ["run"]
-    assert outputs.marker_kinds(os.path.join(trained, "checkpoints")) == ["checkpoints"]
+    ckpt = os.path.join(trained, "checkpoints")  # recognised by its own entries (no marker among the steps)
+    assert sorted(os.listdir(ckpt)) == ["step_00000001", "step_00000002"] and outputs.owner(ckpt, "checkpoints") == \
+        "recognised"
     old = tmp_path / "old"
     shutil.copytree(trained, old)
-    for p in (old / outputs.MARKER, old / "checkpoints" / outputs.MARKER):
-        p.unlink()
+    (old / outputs.MARKER).unlink()
     assert outputs.owner(str(old), "run") == "recognised"
     code = main(["run", DEFAULT, "--dry-run", f"train.out_dir={old}", "train.steps=3", "launch.nproc_per_node=2",
                  "parallel.tp=1"])
@@ -394,7 +395,7 @@ def test_export_hf_force_replaces_only_its_own_export(trained, bad, tmp_path, ca
     assert _snapshot(home) == before
     out = str(tmp_path / "hf")
     assert main(["ckpt", "export-hf", os.path.join(trained, "checkpoints"), out]) == 0
-    assert "holds an earlier export of megashard; pass --force" in (
+    assert "exists and is not an empty directory (an earlier export of megashard); pass --force" in (
         main(["ckpt", "export-hf", os.path.join(trained, "checkpoints"), out]) == 2 and capsys.readouterr().err)
     os.remove(os.path.join(out, ".megashard-dir.json"))  # an export of an older megashard: recognised by its files
     assert main(["ckpt", "export-hf", os.path.join(trained, "checkpoints"), out, "--force"]) == 0

@@ -373,7 +373,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
                 files = kept or files  # none left: the tokenizing below says so
             texts = (piece for f in files for doc in iter_documents(f, text_key, encoding, encoding_errors, options)
                      for piece in doc)
-            if progress:
+            if progress and sys.stderr.isatty():  # in a log the summary line says it; an error stays one line
                 print(f"megashard data prepare: training a byte-level BPE tokenizer of {train_tokenizer} ids on "
                       f"{len(files)} file(s)", file=sys.stderr, flush=True)
             tok = train_bpe(texts, train_tokenizer, tmp_tok)

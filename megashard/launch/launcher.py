@@ -214,9 +214,6 @@ def _hold_checkpoint_dir(job: JobConfig):
 
     if job.launch.nnodes > 1:
         return None  # checked in run(); a launcher per node cannot hold one lock
-    from megashard.outputs import claim_dir
-
-    claim_dir(job.checkpoint_dir, "checkpoints", "checkpoint.dir=")  # created and marked as megashard's
     lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=lock_id(job), owner="launcher")
     if lock.note:
         print(f"megashard run: note: {lock.note}", file=sys.stderr)
@@ -280,9 +277,9 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     job, s = plan.job, plan.sizes
     from megashard.launch.preflight import check_job_here
 
-    # This machine: where the job writes (megashard's own directories, away from its inputs), devices, memory;
-    # before anything is read from the checkpoints, written or started.
-    check_job_here(job, config)
+    from megashard.launch.preflight import check_outputs
+
+    check_outputs(job, config)  # where the job writes: megashard's own directories, away from its inputs (no torch)
     if not dry_run:
         from megashard.train.ckptlock import check_free
 
@@ -292,6 +289,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     if start.finished and not dry_run:
         print(f"megashard run: {job.name}: {start.finished}", file=sys.stderr)
         return 0
+    check_job_here(job, outputs=False)  # this machine: devices, memory (before anything is written or started)
     if not dry_run:
         from megashard.train.data import check_corpus, ensure_corpus
 

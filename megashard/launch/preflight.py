@@ -128,10 +128,12 @@ def check_data_memory(job: JobConfig, ram: int | None) -> None:
         )
 
 
-def check_job_here(job: JobConfig, config: Optional[str] = None) -> None:
+def check_job_here(job: JobConfig, config: Optional[str] = None, outputs: bool = True) -> None:
     """Every check of this module for a validated ``job`` read from ``config`` (ConfigError with one line naming the
-    field): outputs (:func:`check_outputs`), memory, devices."""
-    check_outputs(job, config)
+    field): outputs (:func:`check_outputs`, unless ``outputs=False``: ``megashard run`` checks them first, before it
+    reads the checkpoints), memory, devices."""
+    if outputs:
+        check_outputs(job, config)
     check_data_memory(job, physical_memory())
     from megashard.state import check_devices  # imports torch: only here, where the job is launched
 

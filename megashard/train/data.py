@@ -172,10 +172,6 @@ def check_prepare(job: JobConfig, tp: int = 1) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.prepare_tokenizer="
                           f"{d.prepare_tokenizer} ({tok.vocab_size} ids): use model.vocab_size={_pad(tok.vocab_size, tp)}"
                           f" (a multiple of tp={tp})")
-    out_dir = os.path.dirname(os.path.abspath(d.path))
-    from megashard.outputs import check_output_dir
-
-    check_output_dir("data.path=", out_dir, reads=[])  # creatable, writable (ensure_corpus creates it)
     check_prepare_outputs(d.path, files + ([d.prepare_tokenizer] if d.prepare_tokenizer != "byte" else []),
                           option="data.path=")
 
@@ -205,9 +201,9 @@ def check_samples(job: JobConfig) -> None:
         if dtype is None or read_meta(src.name) is not None or stream.num_tokens == 0:
             continue
         item = torch.empty((), dtype=dtype).element_size()
-        top = torch.iinfo(dtype).max if not dtype.is_floating_point else None
-        if top is None or top < m.vocab_size or stream.num_tokens * item > SCAN_BYTES:
-            continue  # every id fits, or too large to scan here (checked as it is read)
+        info = torch.iinfo(dtype)  # token dtypes are integers (megashard.data.tokens.DTYPES)
+        if (info.min >= 0 and info.max < m.vocab_size) or stream.num_tokens * item > SCAN_BYTES:
+            continue  # every id fits (unsigned, below the vocabulary), or too large to scan here (checked as read)
         step = 1 << 22
         for start in range(0, stream.num_tokens, step):
             part = stream.read(start, min(step, stream.num_tokens - start))

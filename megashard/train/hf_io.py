@@ -80,7 +80,8 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
     check_output_dir("OUT", out, reads=[ckpt], kind="hf-export", replace=True)
     given, out = out, os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"OUT {given}: holds an earlier export of megashard; pass --force to replace it")
+        raise CheckpointError(f"OUT {given}: exists and is not an empty directory (an earlier export of megashard); "
+                              "pass --force to replace it")
     job = job_of_checkpoint(ckpt, config_path)
     entries = mapping(job.model, job.ffn_hidden)
     tensors = to_hf(read_full_model(ckpt), entries)

@@ -253,12 +253,13 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
                                   f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the "
                                   "same sizes")
         if rank == 0:
-            from megashard.outputs import claim_dir
+            from megashard.outputs import check_owned, claim_dir
 
-            # megashard's own directories (created and marked; one holding files of the user's is refused: the
-            # launcher checked it before any process started, this is the same rule for jobs started without it)
+            # megashard's own directories (the run directory created and marked; one holding files of the user's is
+            # refused: the launcher checked them before any process started, this is the same rule for jobs started
+            # without it). The checkpoint directory is recognised by its own entries (step_<N>/, the lock).
             claim_dir(job.out_dir, "run", "train.out_dir=")
-            claim_dir(job.checkpoint_dir, "checkpoints", "checkpoint.dir=")
+            check_owned("checkpoint.dir=", job.checkpoint_dir, "checkpoints")
             lock = _hold_checkpoint_dir(job)
         seed = job.parallel.seed
         model_parallel_manual_seed(seed)
