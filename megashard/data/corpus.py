@@ -86,11 +86,17 @@ _META_FIELDS = (
 
 def write_json_atomic(path: str, doc: dict[str, Any]) -> None:
     """Write ``doc`` to ``path`` through a temporary file and a rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    from megashard.outputs import temp_path
+
+    tmp = temp_path(path)  # a new name of its own: never an existing file
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def open_tokens(path: str, flat_dtype: str = "uint16") -> TokenStream:
