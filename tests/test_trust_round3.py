@@ -289,6 +289,13 @@ def test_owned_places_markers_and_what_older_megashard_left(tmp_path):
     assert outputs.owner(str(mixed), "run") == "foreign"
     with pytest.raises(ConfigError, match=r"holds checkpoints, thesis.tex, not made by megashard"):
         outputs.claim_dir(str(mixed), "run", "train.out_dir=")
+
+
+def test_a_checkpoint_root_keeps_entries_that_are_not_megashards(tmp_path):
+    """Before: a save removed every `.tmp-*` of the root (a `.tmp-notes` of the user's too), and overwrite=True
+    deleted whatever directory had a checkpoint's name."""
+    from megashard.checkpoint import safety
+
     root = tmp_path / "root"  # a checkpoint root: a user's .tmp-notes is not a leftover of a save
     (root / ".tmp-notes").mkdir(parents=True)
     (root / ".tmp-step_00000003").mkdir()
@@ -407,6 +414,10 @@ def test_consolidate_replaces_only_a_torch_file_and_only_with_force(trained, bad
     """Before: `megashard ckpt consolidate CKPT notes.txt` overwrote the notes."""
     ck = os.path.join(trained, "checkpoints")
     notes = os.path.join(bad, "home", "notes.txt")
+    code = main(["ckpt", "consolidate", ck, notes, "-q"])
+    assert open(notes).read() == "my notes\n", "the user's notes were overwritten"
+    line = _one_line(capsys, code, "megashard ckpt consolidate: error: ")
+    assert "exists and is not a torch.save file" in line
     line = _one_line(capsys, main(["ckpt", "consolidate", ck, notes, "-q", "--force"]), "megashard ckpt consolidate: error: ")
     assert "exists and is not a torch.save file" in line and open(notes).read() == "my notes\n"
     out = os.path.join(os.path.dirname(bad), "full.pt")
@@ -427,8 +438,11 @@ def test_the_config_file_is_never_overwritten_by_a_run(bad, capsys, no_launch):
     os.chdir(cfg)
     try:
         code = main(["run", "config.yaml", "train.out_dir=.", "train.steps=2"])
+    except AssertionError:  # no_launch: the job would have started (after writing its config)
+        code = None
     finally:
         os.chdir(old)
+    assert open(os.path.join(cfg, "config.yaml")).read() == text, "the user's config.yaml was overwritten"
     line = _one_line(capsys, code, "megashard run: error: ")
     assert "train.out_dir='.': megashard run writes the run's resolved config to ./config.yaml, which is the config " \
            "file config.yaml this command reads" in line
