@@ -63,6 +63,7 @@ _CKPT_ENTRY = re.compile(r"^(step_\d+|\.tmp-step_\d+|\.trash-step_\d+.*|earlier-
 _CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
 _RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|metrics\.jsonl|loss\.png|checkpoints|doctor)$")
 _DOCTOR_ENTRY = re.compile(r"^(rank_\d+\.json(\.\d+\.tmp)?|restart_\d+)$")
+_SHARING = {"run", "checkpoints"}  # a run directory may be its own checkpoint directory (checkpoint.dir = out_dir)
 _HF_ENTRY = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
                        r"|model\.safetensors\.index\.json)$")
 
@@ -241,10 +242,11 @@ def _check_owned(option: str, path: str, kind: str, replace: bool) -> None:
     what = KINDS[kind].split(" (")[0]
     if who == "marked":
         kinds = marker_kinds(path) or []
-        if not replace or kinds == [kind]:
+        if kinds == [kind] or (not replace and kind in _SHARING and set(kinds) <= _SHARING):
             return
-        raise ConfigError(f"{_label(option, path)}: is {' and '.join(KINDS.get(k, k).split(' (')[0] for k in kinds)}, not "
-                          f"{what}: replacing it would delete it; choose another path")
+        whose = " and ".join(KINDS.get(k, k).split(" (")[0] for k in kinds)
+        harm = "replacing it would delete it" if replace else "writing there would mix two outputs"
+        raise ConfigError(f"{_label(option, path)}: is {whose}, not {what}: {harm}; choose another path")
     rule = (f"megashard replaces only a directory it made itself ({what}, marked by {MARKER}), never one holding "
             "files of yours" if replace else
             f"megashard writes only into a new or empty directory, or one it made itself (marked by {MARKER}), so that "
