@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional
 from megashard.errors import ConfigError
 
 __all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "check_owned", "claim_dir", "marker_kinds", "owner",
-           "is_torch_archive", "temp_path", "new_file_mode",
+           "is_torch_archive", "torch_archive_comment", "temp_path", "new_file_mode",
            "is_resolved_config", "RESOLVED_CONFIG_HEADER"]
 
 #: The marker file of a directory megashard made (hidden: it does not clutter a listing or a Hugging Face export).
@@ -331,6 +331,17 @@ def new_file_mode(directory: bool = False) -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return (0o777 if directory else 0o666) & ~mask
+
+
+def torch_archive_comment(path: str) -> bytes:
+    """The zip comment of ``torch.save`` file ``path`` (b"" if none or unreadable): where megashard marks its own."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.comment or b""
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return b""
 
 
 def is_torch_archive(path: str) -> bool:

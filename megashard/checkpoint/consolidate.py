@@ -318,6 +318,10 @@ def load_full_state_dict(
     return out
 
 
+#: How a file ``consolidate`` wrote begins its zip comment (torch.load ignores the comment).
+CONSOLIDATED = b"megashard ckpt consolidate"
+
+
 def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = False, keys: Optional[set] = None,
                 overwrite: bool = False) -> dict:
     """Write a checkpoint's full (unsharded) state into one ``torch.save`` file ``out``.
@@ -326,16 +330,18 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
     and renamed, so ``out`` is never half-written (missing parent directories are created). Returns a summary
     ``{"path", "out", "tensors", "bytes"}``. ``out`` is checked before anything is read
     (:func:`megashard.outputs.check_output_file`): ConfigError for a directory, a path under a file, an unwritable
-    place or a path inside the checkpoint itself. An existing ``out`` is replaced only with ``overwrite`` and only
-    when it is a ``torch.save`` file (as an earlier consolidate wrote): megashard never overwrites a file of the
-    user's.
+    place or a path inside the checkpoint itself. An existing ``out`` is replaced when an earlier consolidate wrote it
+    (its zip comment says so), or with ``overwrite`` when it is another ``torch.save`` file; anything else never:
+    megashard never overwrites a file of the user's.
     """
-    from megashard.outputs import check_output_file, is_torch_archive, temp_path
+    from megashard.outputs import check_output_file, is_torch_archive, temp_path, torch_archive_comment
 
     def mine(p: str) -> Optional[str]:
         if not is_torch_archive(p):
             return "exists and is not a torch.save file (as consolidate writes)"
-        return None if overwrite else "exists (an earlier torch.save file); pass --force to replace it"
+        if overwrite or torch_archive_comment(p).startswith(CONSOLIDATED):
+            return None  # --force, or an earlier consolidate's own output (it says so in its zip comment)
+        return "exists and is a torch.save file megashard did not write; pass --force to replace it"
 
     ckpt = safety.resolve_checkpoint(path)
     check_output_file("OUT", out, reads=[ckpt], create_parents=True, example="full.pt", mine=mine)
@@ -360,6 +366,10 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
     tmp = temp_path(out)  # a new name of its own next to OUT, renamed when complete
     try:
         torch.save(state, tmp)
+        import zipfile
+
+        with zipfile.ZipFile(tmp, "a") as z:  # the mark of megashard's own output: a rerun may replace it
+            z.comment = CONSOLIDATED + f" of {os.path.abspath(ckpt)}".encode("utf-8", "replace")[:60000]
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -117,7 +117,7 @@ def check_corpus(data: DataConfig, model: ModelConfig, seed: int, tp: int) -> No
     for _, path in data_paths(d):
         if d.prepare_inputs and d.blend is None and path == d.path and not corpus_exists(path):
             missing = True
-            check_prepare(job, tp)  # what the launcher will prepare: inputs, tokenizer, output, vocabulary
+            check_prepare(data, model, tp)  # what the launcher will prepare: inputs, tokenizer, output, vocabulary
             continue  # prepared by the launcher before the workers start, then checked again
         stream = open_tokens(path, d.flat_dtype)
         if stream.num_tokens <= m.seq_len:
@@ -141,7 +141,7 @@ def check_corpus(data: DataConfig, model: ModelConfig, seed: int, tp: int) -> No
         check_samples(d, m, seed)
 
 
-def check_prepare(job: JobConfig, tp: int = 1) -> None:
+def check_prepare(data: DataConfig, model: ModelConfig, tp: int = 1) -> None:
     """What :func:`ensure_corpus` will do, checked before anything is written (a dry run sees it too): every
     ``data.prepare_inputs`` entry names text files (a glob that matches nothing, an empty or binary file is an
     error), ``data.prepare_tokenizer`` loads, ``model.vocab_size`` covers its vocabulary, and the corpus files of
@@ -150,7 +150,7 @@ def check_prepare(job: JobConfig, tp: int = 1) -> None:
     from megashard.data.prepare import RUN_OPTIONS, check_prepare_outputs, iter_documents, text_inputs
     from megashard.data.tokenizer import load_tokenizer
 
-    d, m = job.data, job.model
+    d, m = data, model
     why = f"data.path={d.path} has no corpus yet, so megashard run would prepare it"
     check_encoding(d.prepare_encoding, d.prepare_encoding_errors, RUN_OPTIONS)
     try:
