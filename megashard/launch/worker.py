@@ -17,8 +17,19 @@ import sys
 import time
 from typing import Optional, Sequence
 
-#: Seconds a worker that lost its peers waits for torchrun to stop it (it usually does within its monitor interval).
+#: Seconds a worker that lost its peers waits for torchrun to stop it (it usually does within its monitor interval);
+#: ``MEGASHARD_PEER_LOSS_GRACE_S`` (set by ``megashard run`` for an elastic job, where the peer is usually a node that
+#: left) overrides it.
 PEER_LOSS_GRACE_S = 15.0
+
+
+def _peer_loss_grace() -> float:
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("MEGASHARD_PEER_LOSS_GRACE_S", PEER_LOSS_GRACE_S)))
+    except ValueError:
+        return PEER_LOSS_GRACE_S
 
 
 def _prints(e: BaseException, mismatch: type) -> bool:
@@ -71,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:
         if is_peer_loss(e):
             sys.stderr.flush()
-            time.sleep(PEER_LOSS_GRACE_S)  # torchrun stops us (SIGTERM) once it sees the failed worker
+            time.sleep(_peer_loss_grace())  # torchrun stops us (SIGTERM) once it sees the failed worker
             os._exit(EXIT_PEER_LOST)  # no teardown: the process group is broken
         if not isinstance(e, MegashardError):
             raise
