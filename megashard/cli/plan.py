@@ -231,7 +231,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return cmd_plan_range(args, job)  # every world size of launch.nnodes: MIN:MAX
     sizes = config.resolve(world_size)  # the one resolve of this process
     if job is not None:
-        job.check_pipeline(sizes.pp, sizes.vpp)  # what `run` refuses for any world size: the model fills the stages
+        job.check_pipeline(sizes.pp, sizes.vpp, sizes.dp)  # what `run` refuses for any world size: the model fills the stages
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
@@ -254,7 +254,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if job is not None:
         from megashard.train.placement import format_placement, model_placement
 
-        placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
+        placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep, sizes.dp)
         plan["model_placement"] = placement
         refusal = run_refusal(job, sizes, launch_world_size(job.to_dict()))
         if refusal:
