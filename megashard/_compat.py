@@ -6,6 +6,7 @@ between releases; the rest of the package imports these names from this module o
 from __future__ import annotations
 
 import os
+import signal
 from typing import Callable, Optional
 
 import torch
@@ -437,8 +438,8 @@ def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[i
     cannot fix (a bad config, a checkpoint of another model) must not burn ``--max-restarts``. The job then ends as
     if no restarts were left (ChildFailedError).
 
-    ``membership_code`` (an elastic job): when every failed worker of this node exited with it (they lost their peers:
-    another node left), the restart that re-forms the world does not use up ``--max-restarts`` — a node leaving is a
+    ``membership_code`` (an elastic job): when the failed workers of this node exited with it (they lost their peers:
+    another node left; the others were stopped by the agent with SIGTERM), the restart that re-forms the world does not use up ``--max-restarts`` — a node leaving is a
     membership change, as torch counts a node joining; ``on_membership()`` is called then (before the agent logs its
     restart). Returns False where this torch's agent has another shape."""
     try:
@@ -466,8 +467,9 @@ def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[i
             codes = {getattr(f, "exitcode", None) for f in failures.values()}
             if result.state == WorkerState.FAILED and codes & self._megashard_gives_up_on:
                 self._remaining_restarts = 0
-            elif (result.state == WorkerState.FAILED and self._megashard_membership_code is not None
-                  and codes == {self._megashard_membership_code}):
+            elif (result.state == WorkerState.FAILED and self._megashard_membership_code in codes
+                  and codes <= {self._megashard_membership_code, -int(signal.SIGTERM)}):
+                # (-SIGTERM: the agent stops this node's other workers when the first one exits: not a failure)
                 self._remaining_restarts += 1  # the agent takes one off for the restart: a node left, none failed here
                 if self._megashard_on_membership is not None:
                     self._megashard_on_membership()

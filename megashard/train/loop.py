@@ -11,7 +11,8 @@ together). A run resumes from the newest complete checkpoint of its checkpoint d
 re-derives its layout for each world (:mod:`megashard.train.elastic`), and each start says what changed since the
 previous start of the same job (:mod:`megashard.train.world`).
 
-``MEGASHARD_STEP_DELAY_S`` (tests and demos only): seconds to sleep after each step, time to kill a node mid-run.
+``MEGASHARD_PAUSE_FILE`` (tests and benchmarks of elastic runs only): while this file exists, every rank waits before
+its next step — a test holds a world at a step of its choosing while nodes leave and join.
 """
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ class TrainRun:
         from megashard.train.checkpointing import SaveSchedule
 
         self.schedule = SaveSchedule(job, state)
-        self.step_delay = float(os.environ.get("MEGASHARD_STEP_DELAY_S", "0") or 0)
+        self.pause_file = os.environ.get("MEGASHARD_PAUSE_FILE") or None
         self.model.train()
         self.t_start = time.perf_counter()
 
@@ -266,6 +267,8 @@ class TrainRun:
         from megashard.state.rng import model_parallel_manual_seed
 
         job, state, t, result, model = self.job, self.state, self.job.train, self.result, self.model
+        while self.pause_file is not None and os.path.exists(self.pause_file):  # tests: hold the world here
+            time.sleep(0.05)
         t0 = time.perf_counter()
         if self.doc is not None:
             self.doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
@@ -313,8 +316,7 @@ class TrainRun:
             print(f"\nmegashard run: rank {self.rank}: injected failure after step {done} (train.fail_at_step)",
                   file=sys.stderr, flush=True)
             os._exit(1)
-        if self.step_delay > 0:
-            time.sleep(self.step_delay)
+
 
     def save(self, done: int) -> None:
         """The checkpoint of step ``done`` when one is due (every ``checkpoint.interval`` steps or seconds — decided by
