@@ -71,12 +71,12 @@ def first_host(nodelist: str) -> str:
 def slurm_overrides(env: Mapping[str, str], cli_overrides: Sequence[str] = (), *, elastic: bool = False) -> list[str]:
     """``launch.*`` overrides taken from Slurm variables; explicit overrides win.
 
-    Empty outside Slurm, and when ``launch.nnodes`` is given on the command line (the user sets up the launch).
-    ``elastic``: the config's ``launch.nnodes`` is a range MIN:MAX, which is kept (the allocation may grow and
-    shrink; the node rank, endpoint and id still come from Slurm).
+    Empty outside Slurm, and when a node count ``launch.nnodes`` is given on the command line (the user sets up the
+    launch). ``elastic``: ``launch.nnodes`` is a range MIN:MAX (in the file or on the command line), which is kept (the
+    allocation may grow and shrink); the node rank, endpoint and id still come from Slurm.
     """
     given = {o.split("=", 1)[0].strip() for o in cli_overrides}
-    if "SLURM_JOB_ID" not in env or "launch.nnodes" in given:  # an explicit node count takes over the launch
+    if "SLURM_JOB_ID" not in env or ("launch.nnodes" in given and not elastic):  # an explicit count takes over
         return []
     out = []
     nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
