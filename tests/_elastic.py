@@ -150,14 +150,30 @@ def top(records: list, world: Optional[int] = None, after: int = 0) -> int:
                default=0)
 
 
-def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4) -> dict:
+def _saving(ckpt_dir: str) -> list:
+    try:
+        return [n for n in os.listdir(ckpt_dir) if n.startswith(".tmp-")]
+    except OSError:
+        return []
+
+
+def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4, during_save: bool = False) -> dict:
     """The scenario of issue 30: nodes A and B (A hosts the store) train at world 4; B is killed after step
-    ``kill_after``; A goes on at world 2 for ``steps_at_2`` steps (held there, paused); B2 starts and joins; the job
-    grows back to world 4 and finishes. Returns the times of the kill and of the rejoin, and the exit codes."""
+    ``kill_after`` (``during_save``: at the first checkpoint write after it, while its ``.tmp-`` directory exists); A
+    goes on at world 2 for ``steps_at_2`` steps (held there, paused); B2 starts and joins; the job grows back to world
+    4 and finishes. Returns the times of the kill and of the rejoin, the exit codes, and the checkpoint writes in
+    progress at the kill."""
     a = run.node("A")
     run.wait_store()
     run.node("B")
     run.wait_for(lambda m: top(m, world=4) >= kill_after, f"step {kill_after} at world 4")
+    ckpt_dir = os.path.join(run.out, "checkpoints")
+    saving: list = []
+    if during_save:
+        deadline = time.monotonic() + run.timeout
+        while not saving and time.monotonic() < deadline and run.nodes[1].alive():
+            saving = _saving(ckpt_dir)
+            time.sleep(0.001)
     t_kill = run.nodes[1].kill()
     run.wait_for(lambda m: run.world().get("world_size") == 2 and run.world().get("time", 0) > t_kill,
                  "the world of 2 after the kill", metrics=False)
@@ -170,7 +186,7 @@ def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4
                  "the world of 4 after B2 joined", metrics=False)
     run.go_on()
     codes = {"A": a.wait(run.timeout), "B2": b2.wait(run.timeout)}
-    return {"t_kill": t_kill, "t_join": t_join, "codes": codes, "resumed_at_2": s2}
+    return {"t_kill": t_kill, "t_join": t_join, "codes": codes, "resumed_at_2": s2, "saving_at_kill": saving}
 
 
 def reference(out_dir: str, config: str, overrides: list, world: int = 4, timeout: float = 300.0) -> subprocess.CompletedProcess:

@@ -33,14 +33,14 @@ SCENARIOS = {
 TOLERANCE = 1e-5
 
 
-def _scenario(tmp_path_factory, name):
+def _scenario(tmp_path_factory, name, during_save=False):
     config, extra = SCENARIOS[name]
     tmp = str(tmp_path_factory.mktemp(f"elastic-{name}"))
     ref = reference(os.path.join(tmp, "ref"), config, COMMON + extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra)
     try:
-        out = kill_and_rejoin(run, kill_after=5, steps_at_2=3)
+        out = kill_and_rejoin(run, kill_after=5, steps_at_2=3, during_save=during_save)
     finally:
         run.stop_all()
     return tmp, run, out
@@ -128,10 +128,21 @@ def test_each_change_is_told_in_one_line_each_and_recorded_in_the_metrics(tp2):
 
 @pytest.mark.parametrize("name", ["pp2", "hsdp"])
 def test_the_same_with_a_pipeline_and_with_hsdp(tmp_path_factory, name):
-    tmp, run, out = _scenario(tmp_path_factory, name)
+    """HSDP: node B is killed while a checkpoint is being written; the world of 2 resumes from the one before (the
+    newest complete one: a half-written checkpoint is never loaded), and the losses still equal the reference's."""
+    tmp, run, out = _scenario(tmp_path_factory, name, during_save=name == "hsdp")
     assert out["codes"] == {"A": 0, "B2": 0}, run.nodes[0].log()
     _check_parity(tmp, run, name)
     log = run.nodes[0].log()
+    if name == "hsdp":
+        saving = out["saving_at_kill"]
+        assert len(saving) == 1 and re.fullmatch(r"\.tmp-step_\d{8}", saving[0]), out
+        n = int(saving[0][-8:])
+        # B died while step n was being written: the world of 2 resumed from step n - 3, the newest complete one (or,
+        # had every rank's part been written and published before the kill, from a complete step n)
+        assert out["resumed_at_2"] in (n - 3, n), out
+        first = [r for r in run.metrics() if "world_change" in r][0]["world_change"]
+        assert first["resumed_from"] == out["resumed_at_2"] and first["last_step_before"] >= n, first
     world2, world4 = {"pp2": ("pp=2, dp_shard=1 (16 sequences per rank in 4 microbatches, 1f1b)",
                               "pp=2, dp_shard=2 (8 sequences per rank in 2 microbatches, 1f1b)"),
                       "hsdp": ("dp_shard=2 (8 sequences per rank in 2 microbatches)",

@@ -77,7 +77,7 @@ def _unfillable(job) -> bool:  # noqa: ANN001 - a JobConfig (imported late: the 
         return True
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, 10 * UNFILLABLE_POLL_S)))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job.parallel.timeout))  # ranks may start slowly
     while True:  # a peer that left breaks the barrier: peer loss, the agent re-forms the world without its node
         time.sleep(UNFILLABLE_POLL_S)
         dist.barrier()
