@@ -329,8 +329,8 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     if not dry_run:
         from megashard.train.data import check_corpus, ensure_corpus
 
-        if ensure_corpus(job):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
-            check_corpus(job, s.tp)  # validate() let the corpus be missing: check the one just prepared
+        if ensure_corpus(job.data):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
+            check_corpus(job.data, job.model, job.parallel.seed, s.tp)  # validate() let the corpus be missing: check the one just prepared
     print(_header(plan), file=sys.stderr)
     for note in plan.notes + ([start.finished] if start.finished else []):
         print(f"megashard run: {note}", file=sys.stderr)
