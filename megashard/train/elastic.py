@@ -15,13 +15,15 @@ Pure arithmetic over :meth:`JobConfig.validate <megashard.train.config.JobConfig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megashard.errors import ConfigError
 
 if TYPE_CHECKING:
     from megashard.config import ResolvedSizes
-    from megashard.train.config import JobConfig
+
+#: A :class:`megashard.train.config.JobConfig` (which calls :func:`validate_range`: named, not imported, here).
+JobConfig = Any
 
 __all__ = ["WorldOption", "world_options", "validate_range", "absorbing_axis", "layout_text", "valid_sizes_text",
            "unfillable_line", "FIXED_AXES"]
@@ -41,7 +43,7 @@ class WorldOption:
     """The ConfigError of :meth:`JobConfig.validate` at this world size (None when it runs)."""
 
 
-def absorbing_axis(job: "JobConfig") -> str:
+def absorbing_axis(job: JobConfig) -> str:
     """The data-parallel axis that absorbs the world size of an elastic job; ConfigError (one line) when the config
     leaves a fixed axis free (``tp: -1`` would re-shard the model at every change) or no data-parallel axis free."""
     p, la = job.parallel, job.launch
@@ -64,7 +66,7 @@ def absorbing_axis(job: "JobConfig") -> str:
         "parallel.dp_outer=auto with a fixed dp_shard")
 
 
-def world_options(job: "JobConfig") -> list[WorldOption]:
+def world_options(job: JobConfig) -> list[WorldOption]:
     """Every node count of ``launch.nnodes`` with its layout or its refusal (the data files are checked once, by
     :func:`validate_range`, not per world size)."""
     lo, hi = job.launch.node_range
@@ -84,7 +86,7 @@ def valid_sizes_text(options: list[WorldOption]) -> str:
     return ", ".join(f"{o.world_size} ({o.nodes} node{'s' if o.nodes > 1 else ''})" for o in ok) or "none"
 
 
-def validate_range(job: "JobConfig", *, data: bool = True) -> "ResolvedSizes":
+def validate_range(job: JobConfig, *, data: bool = True) -> "ResolvedSizes":
     """:meth:`JobConfig.validate` of an elastic job: the absorbing axis, every world size of the range (at least one
     must run), the data once; returns the sizes at the largest world that runs. ConfigError (one line) otherwise."""
     absorbing_axis(job)
@@ -101,7 +103,7 @@ def validate_range(job: "JobConfig", *, data: bool = True) -> "ResolvedSizes":
     return ok[-1].sizes  # type: ignore[return-value]
 
 
-def layout_text(job: "JobConfig", sizes: "ResolvedSizes", *, per_rank: bool = False) -> str:
+def layout_text(job: JobConfig, sizes: "ResolvedSizes", *, per_rank: bool = False) -> str:
     """``"tp=2, pp=2, dp_shard=1 (1f1b, 4 microbatches)"``; with ``per_rank`` the batch each rank takes:
     ``"tp=2, dp_shard=2 (8 sequences per rank in 1 microbatch)"``."""
     s = sizes
@@ -117,7 +119,7 @@ def layout_text(job: "JobConfig", sizes: "ResolvedSizes", *, per_rank: bool = Fa
     return text + (f", {job.train.pipeline_schedule})" if s.pp > 1 else ")")
 
 
-def unfillable_line(job: "JobConfig", world_size: int, error: str) -> str:
+def unfillable_line(job: JobConfig, world_size: int, error: str) -> str:
     """The one line the workers of a round that formed an unfillable world print (``launch.unfillable_world``)."""
     options = world_options(job)
     action = ("waiting for a node to join or leave (launch.unfillable_world=wait; nothing is written)"
