@@ -9,7 +9,8 @@ Used by tests/test_elastic.py and benchmarks/elastic.py:
 
 A node is killed with SIGKILL to its launcher's process group; torchrun and the workers follow through their
 lifelines within milliseconds, as the processes of a machine that went down. The launcher that starts first hosts the
-rendezvous store (its agent binds ``launch.rdzv_endpoint``), so the scenarios kill the others. A test holds the job
+rendezvous store (its agent binds ``launch.rdzv_endpoint``), so the scenarios kill another one — unless the test
+process hosts the store itself (``host_store=True``: then any node may go, rank 0's first). A test holds the job
 before a step with :meth:`ElasticRun.pause` (``MEGASHARD_PAUSE_FILE``) while nodes leave and join.
 """
 from __future__ import annotations
@@ -80,10 +81,18 @@ class ElasticRun:
     """The launchers of one elastic job, its files and the conditions a scenario waits for."""
 
     def __init__(self, out_dir: str, config: str, overrides: list, *, nnodes: str = "1:2", nproc: int = 2,
-                 last_call: int = 4, node_timeout: int = 3, timeout: float = 300.0) -> None:
+                 last_call: int = 4, node_timeout: int = 3, timeout: float = 300.0, host_store: bool = False) -> None:
         self.out, self.timeout = out_dir, timeout
         os.makedirs(out_dir, exist_ok=True)
         self.port = free_port()
+        self.store = None
+        if host_store:  # the rendezvous store lives in this process: every launcher is a client (c10d falls back)
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("localhost", self.port, is_master=True, wait_for_workers=False,
+                                       multi_tenant=True, timeout=timedelta(seconds=timeout))
         self.pause_file = os.path.join(out_dir, "pause")
         self.argv = [sys.executable, "-m", "megashard", "run", config, *overrides,
                      f"launch.nnodes={nnodes}", f"launch.nproc_per_node={nproc}",
@@ -134,6 +143,7 @@ class ElasticRun:
         for n in self.nodes:
             if n.alive():
                 n.kill()
+        self.store = None  # the server goes with the last reference
 
 
 def _listening(port: int) -> bool:
@@ -157,12 +167,13 @@ def _saving(ckpt_dir: str) -> list:
         return []
 
 
-def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4, during_save: bool = False) -> dict:
+def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4, during_save: bool = False,
+                    kill: int = 1) -> dict:
     """The scenario of issue 30: nodes A and B (A hosts the store) train at world 4; B is killed after step
     ``kill_after`` (``during_save``: at the first checkpoint write after it, while its ``.tmp-`` directory exists); A
     goes on at world 2 for ``steps_at_2`` steps (held there, paused); B2 starts and joins; the job grows back to world
-    4 and finishes. Returns the times of the kill and of the rejoin, the exit codes, and the checkpoint writes in
-    progress at the kill."""
+    4 and finishes. ``kill=0`` kills A instead (the node of rank 0; the test process must host the store). Returns
+    the times of the kill and of the rejoin, the exit codes, and the checkpoint writes in progress at the kill."""
     a = run.node("A")
     run.wait_store()
     run.node("B")
@@ -171,10 +182,11 @@ def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4
     saving: list = []
     if during_save:
         deadline = time.monotonic() + run.timeout
-        while not saving and time.monotonic() < deadline and run.nodes[1].alive():
+        while not saving and time.monotonic() < deadline and run.nodes[kill].alive():
             saving = _saving(ckpt_dir)
             time.sleep(0.001)
-    t_kill = run.nodes[1].kill()
+    t_kill = run.nodes[kill].kill()
+    survivor = run.nodes[1 - kill]
     run.wait_for(lambda m: run.world().get("world_size") == 2 and run.world().get("time", 0) > t_kill,
                  "the world of 2 after the kill", metrics=False)
     s2 = run.world()["start_step"]
@@ -185,7 +197,7 @@ def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4
     run.wait_for(lambda m: run.world().get("world_size") == 4 and run.world().get("time", 0) > t_join,
                  "the world of 4 after B2 joined", metrics=False)
     run.go_on()
-    codes = {"A": a.wait(run.timeout), "B2": b2.wait(run.timeout)}
+    codes = {survivor.name: survivor.wait(run.timeout), "B2": b2.wait(run.timeout)}
     return {"t_kill": t_kill, "t_join": t_join, "codes": codes, "resumed_at_2": s2, "saving_at_kill": saving}
 
 

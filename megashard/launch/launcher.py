@@ -3,8 +3,11 @@
     megashard run configs/default.yaml train.steps=50 parallel.tp=1
 
 1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
-   launch.nproc_per_node``, and the job against this machine (output directories, CUDA/NCCL, memory:
-   :mod:`megashard.launch.preflight`) — a bad config fails here with exit code 2, before any process starts.
+   launch.nproc_per_node`` — for an elastic range ``launch.nnodes: MIN:MAX`` every world size of it, each laid out or
+   refused (:mod:`megashard.train.elastic`) —, the launch settings as torchrun reads them
+   (:mod:`megashard.train.launch_checks`; ``--dry-run`` runs the same checks), and the job against this machine
+   (output directories, CUDA/NCCL, memory: :mod:`megashard.launch.preflight`) — a bad config fails here with exit
+   code 2, before any process starts.
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
@@ -19,8 +22,8 @@
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
    ``sys.executable -m megashard.launch.agent ... -m megashard.launch.worker <out_dir>/config.yaml``
    (:mod:`megashard.launch.agent` is ``torch.distributed.run`` with short output that dies with this
-   launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
-   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
+   launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several (``--nnodes MIN:MAX`` and
+   ``--rdzv-conf`` for an elastic job: docs/elastic.md), ``--max-restarts`` from the config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
    after a megashard error of a worker: a restart cannot fix it). Every process of the launch gets its run id
    (``MEGASHARD_RUN_ID``), recorded in its checkpoints.
 5. Ctrl-C reaches this launcher only (torchrun runs in a session of its own): it stops torchrun with SIGTERM (the

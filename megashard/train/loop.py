@@ -222,7 +222,8 @@ class TrainRun:
         if self.rank == 0:
             if before is not None:  # a restart or a new world: nodes, world and layout, then the steps redone
                 self.change = self.world.compare(job, before, start)
-                print("\n".join(self.change.lines()), file=sys.stderr, flush=True)
+                for line in self.change.lines():  # none for a restart in the same world (torchrun's line said it)
+                    print(line, file=sys.stderr, flush=True)
             redone = self.change.redone_text() if self.change is not None else ""
             if found is not None:
                 from megashard.train.startpoint import read_record, resumed_line
@@ -316,7 +317,6 @@ class TrainRun:
             print(f"\nmegashard run: rank {self.rank}: injected failure after step {done} (train.fail_at_step)",
                   file=sys.stderr, flush=True)
             os._exit(1)
-
 
     def save(self, done: int) -> None:
         """The checkpoint of step ``done`` when one is due (every ``checkpoint.interval`` steps or seconds — decided by
