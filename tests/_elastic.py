@@ -201,7 +201,7 @@ def kill_and_rejoin(run: ElasticRun, *, kill_after: int = 5, steps_at_2: int = 4
     return {"t_kill": t_kill, "t_join": t_join, "codes": codes, "resumed_at_2": s2, "saving_at_kill": saving}
 
 
-def reference(out_dir: str, config: str, overrides: list, world: int = 4, timeout: float = 300.0) -> subprocess.CompletedProcess:
+def reference(out_dir: str, config: str, overrides: list, world: int = 4, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The same job uninterrupted on one launcher of ``world`` processes."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "megashard", "run", config, *overrides, "launch.nnodes=1",

@@ -173,8 +173,8 @@ def test_under_slurm_an_elastic_range_is_kept():
      "launch.rdzv_endpoint='http://node0:29500' must be host:port without a scheme (http://): the rendezvous is a TCP "
      "address, not a URL; use launch.rdzv_endpoint=node0:29500"),
     (["launch.rdzv_endpoint=node0:29500/x"], "launch.rdzv_endpoint='node0:29500/x' must be host:port (no path)"),
-    (["launch.rdzv_endpoint=node0:99999"], "launch.rdzv_endpoint='node0:99999': the port '99999' must be a number in "
-                                           "1..65535"),
+    (["launch.rdzv_endpoint=node0:99999"], "launch.rdzv_endpoint='node0:99999' must be host or host:port with a port "
+                                           "in 1..65535 (e.g. node0:29500); the port is '99999'"),
     (["launch.rdzv_endpoint=no de:1"], "launch.rdzv_endpoint='no de:1': the host 'no de' must be a host name"),
     (["launch.nnodes=2", "launch.rdzv_backend=c10", "launch.rdzv_endpoint=n0:1"],
      "launch.rdzv_backend='c10' (did you mean 'c10d'?) is not a torchrun rendezvous backend; known: c10d, etcd, "

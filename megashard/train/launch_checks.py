@@ -65,7 +65,8 @@ def check_endpoint(endpoint: str, where: str = "launch.rdzv_endpoint") -> tuple[
         if not sep:
             host, port = text, None
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise ConfigError(f"{where}={endpoint!r}: the port {port!r} must be a number in 1..65535 ({example})")
+        raise ConfigError(f"{where}={endpoint!r} must be host or host:port with a port in 1..65535 ({example}); "
+                          f"the port is {port!r}")
     if not host or not _HOST.match(host):
         raise ConfigError(f"{where}={endpoint!r}: the host {host!r} must be a host name or an IP address "
                           f"(letters, digits, '.', '-', ':'), {example}")
