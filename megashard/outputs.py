@@ -61,8 +61,11 @@ RESOLVED_CONFIG_HEADER = "# resolved config of megashard run "
 _CKPT_ENTRY = re.compile(r"^(step_\d+|\.tmp-step_\d+|\.trash-step_\d+.*|earlier-\d{8}-\d{6}(-\d+)?"
                          r"|\.megashard\.lock(\.takeover|\..*\.tmp)?)$")
 _CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
-_RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|metrics\.jsonl|loss\.png|checkpoints|doctor)$")
-_DOCTOR_ENTRY = re.compile(r"^(rank_\d+\.json(\.\d+\.tmp)?|restart_\d+)$")
+_RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|\.config\.yaml\..*\.tmp|metrics\.jsonl|loss\.png"
+                        r"|world\.json(\.\d+\.tmp)?|checkpoints|doctor)$")
+# <out_dir>/doctor/: each rank's record (megashard.doctor.watch), and a later world's records in restart_<k>/.
+_DOCTOR_RECORD = re.compile(r"^rank_\d+\.json(\.\d+\.tmp)?$")
+_DOCTOR_RESTART = re.compile(r"^restart_\d+$")
 _SHARING = {"run", "checkpoints"}  # a run directory may be its own checkpoint directory (checkpoint.dir = out_dir)
 _HF_ENTRY = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
                        r"|model\.safetensors\.index\.json)$")
@@ -174,6 +177,17 @@ def _is_checkpoint_root(path: str) -> bool:
     return False
 
 
+def _is_doctor_dir(path: str) -> bool:
+    """Every entry is a doctor record of a rank, or a ``restart_<k>/`` directory holding only such records."""
+    for n in os.listdir(path):
+        if _DOCTOR_RECORD.match(n):
+            continue
+        sub = os.path.join(path, n)
+        if not (_DOCTOR_RESTART.match(n) and os.path.isdir(sub) and all(_DOCTOR_RECORD.match(x) for x in os.listdir(sub))):
+            return False
+    return True
+
+
 def _recognised(path: str, kind: str, names: list[str]) -> bool:
     """A directory of ``kind`` written by a megashard without markers, by unambiguous evidence (module docstring)."""
     if kind == "checkpoints":
@@ -188,7 +202,7 @@ def _recognised(path: str, kind: str, names: list[str]) -> bool:
                 return os.path.isdir(sub) and (not os.listdir(sub) or marker_kinds(sub) is not None
                                                or _is_checkpoint_root(sub))
             if n == "doctor":
-                return os.path.isdir(sub) and all(_DOCTOR_ENTRY.match(x) for x in os.listdir(sub))
+                return os.path.isdir(sub) and _is_doctor_dir(sub)
             return bool(_RUN_ENTRY.match(n)) or (os.path.isdir(sub) and marker_kinds(sub) is not None)
 
         if not all(ok(n) for n in names):

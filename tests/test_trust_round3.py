@@ -279,6 +279,18 @@ def test_owned_places_markers_and_what_older_megashard_left(tmp_path):
     (old / "metrics.jsonl").write_text('{"step": 1}\n')
     (old / "config.yaml").write_text(outputs.RESOLVED_CONFIG_HEADER + "old (overrides applied)\n")
     assert outputs.owner(str(old), "run") == "recognised"
+    # what a run of megashard without markers also left: the world record (elastic starts) and the doctor's records
+    # of the first world and of a later one (a restart, a new elastic world)
+    from megashard.train.world import WORLD_FILE
+
+    (old / WORLD_FILE).write_text('{"run_id": "x"}')
+    (old / "doctor" / "restart_1").mkdir(parents=True)
+    (old / "doctor" / "rank_0.json").write_text("{}")
+    (old / "doctor" / "restart_1" / "rank_3.json").write_text("{}")
+    assert outputs.owner(str(old), "run") == "recognised"
+    (old / "doctor" / "restart_1" / "my-notes.txt").write_text("mine\n")  # not a record: the directory is not ours
+    assert outputs.owner(str(old), "run") == "foreign"
+    (old / "doctor" / "restart_1" / "my-notes.txt").unlink()
     outputs.claim_dir(str(old), "run")
     assert outputs.marker_kinds(str(old)) == ["run"] and outputs.owner(str(old), "run") == "marked"
     (old / "notes.txt").write_text("mine\n")  # marked: its own entries only are written, a note of the user's stays
