@@ -77,6 +77,8 @@ def bad(tmp_path_factory) -> str:
     (d / "home" / "thesis" / "ch1.tex").write_text("\\chapter{One}\n")
     (d / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve\n".encode("latin-1") * 20)
     (d / "utf8.txt").write_text("plain words of text, long enough to be a document\n" * 20)
+    (d / "texts").mkdir()  # a directory of the user's texts: a corpus written into it would be read as text next time
+    (d / "texts" / "a.txt").write_text("a document of the user's\n" * 20)
     (d / "tok").mkdir()
     (d / "f32.bin").write_bytes(bytes(torch.full((4096,), 0.5).view(torch.uint8).tolist()))  # float32 "tokens"
     (d / "cfg").mkdir()
@@ -127,6 +129,10 @@ CLI = [
      "checkpoint.dir='{bad}/home': the existing directory holds notes.txt, thesis"),
     ("prepare-over-user-file", ["data", "prepare", "{bad}/utf8.txt", "--out", "{bad}/notes"],
      "--out {bad}/notes.bin: exists and is not part of a corpus megashard prepared"),
+    ("prepare-out-inside-input-dir", ["data", "prepare", "{bad}/texts", "--out", "{bad}/texts/corpus"],
+     "--out {bad}/texts/corpus.bin: lies inside {bad}/texts, which this command reads"),
+    ("prepare-out-matches-input-glob", ["data", "prepare", "{bad}/texts/*", "--out", "{bad}/texts/corpus"],
+     "--out {bad}/texts/corpus.bin: matches the input pattern {bad}/texts/*, which this command reads"),
     ("svg-over-user-file", ["plan", DEFAULT, "--svg", "{bad}/picture.svg"],
      "--svg {bad}/picture.svg: exists and is not a picture megashard plan drew"),
     # data is never silently changed
@@ -420,6 +426,17 @@ def test_export_hf_force_replaces_only_its_own_export(trained, bad, tmp_path, ca
     assert main(["ckpt", "export-hf", os.path.join(trained, "checkpoints"), out, "--force"]) == 0
     assert os.path.isfile(os.path.join(out, ".megashard-dir.json"))
     assert not [n for n in os.listdir(tmp_path) if n != "hf"], os.listdir(tmp_path)  # no temporary left
+    # An output inside the checkpoint directory given (before: written there, and the next `megashard run` found a
+    # directory of foreign entries where its checkpoints are and refused to resume); consolidate alike.
+    ck = os.path.join(trained, "checkpoints")
+    entries = sorted(os.listdir(ck))
+    capsys.readouterr()
+    line = _one_line(capsys, main(["ckpt", "export-hf", ck, os.path.join(ck, "hf")]), "megashard ckpt export-hf: error: ")
+    assert f"OUT {ck}/hf: lies inside {ck}, which this command reads" in line
+    line = _one_line(capsys, main(["ckpt", "consolidate", ck, os.path.join(ck, "full.pt"), "-q"]),
+                     "megashard ckpt consolidate: error: ")
+    assert f"OUT {ck}/full.pt: lies inside {ck}, which this command reads" in line
+    assert sorted(os.listdir(ck)) == entries
 
 
 def test_consolidate_replaces_only_a_torch_file_and_only_with_force(trained, bad, capsys):

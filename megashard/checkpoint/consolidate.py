@@ -344,7 +344,7 @@ def consolidate(path: str, out: str, *, verify: bool = True, progress: bool = Fa
         return "exists and is a torch.save file megashard did not write; pass --force to replace it"
 
     ckpt = safety.resolve_checkpoint(path)
-    check_output_file("OUT", out, reads=[ckpt], create_parents=True, example="full.pt", mine=mine)
+    check_output_file("OUT", out, reads=[ckpt, path], create_parents=True, example="full.pt", mine=mine)
     state = load_full_state_dict(ckpt, keys=keys, verify=verify, progress=progress)
     count, nbytes = 0, 0
 

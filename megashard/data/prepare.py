@@ -38,7 +38,7 @@ from megashard.data.indexed import IndexedDatasetBuilder
 from megashard.data.inputs import ENCODING_ERRORS, Decoder, check_encoding, expand, not_text
 from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
-from megashard.errors import DataError
+from megashard.errors import ConfigError, DataError
 from megashard.progress import Progress
 
 __all__ = ["prepare", "PrepareResult", "expand_inputs", "text_inputs", "iter_documents", "check_prepare_outputs"]
@@ -301,16 +301,41 @@ def _corpus_file_mine(out: str) -> "Callable[[str], Optional[str]]":
     return mine
 
 
-def check_prepare_outputs(out: str, reads: Sequence[str], option: str = "--out") -> None:
-    """The files of corpus ``out`` (``.bin``, ``.idx``, ``.meta.json``, ``.tokenizer.json``) may be written: not a
-    directory, writable, none of ``reads`` (the inputs), and an existing one only as part of a corpus megashard
-    prepared. ConfigError naming ``option``."""
+def _check_outside_inputs(out: str, inputs: Sequence[str], option: str) -> None:
+    """ConfigError naming ``option`` when a file of corpus ``out`` lies inside an input directory or matches an
+    input glob of ``inputs`` (the INPUT arguments): the same command run again would read its own output as text.
+    Checked before anything (a writability probe included) touches that directory."""
+    import fnmatch
+    import sysconfig
+
     from megashard.outputs import check_output_file
 
+    stdlib = sysconfig.get_paths()["stdlib"]
+    given = [i.replace("{stdlib}", stdlib) for i in inputs if isinstance(i, str) and i]
+    dirs = [i for i in given if os.path.isdir(i)]
+    patterns = [i for i in given if not os.path.exists(i) and glob.has_magic(i)]
+    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):
+        path = out + suffix
+        if dirs:
+            check_output_file(option, path, reads=dirs, mine=lambda p: None, create_parents=True)
+        for pattern in patterns:  # fnmatch: a '*' also matches '/', so '**' and 'dir/*' are caught alike
+            if fnmatch.fnmatch(os.path.abspath(path), os.path.abspath(pattern)):
+                label = f"{option}{path!r}" if option.endswith("=") else f"{option} {path}"
+                raise ConfigError(f"{label}: matches the input pattern {pattern}, which this command reads: the same "
+                                  "command run again would read the corpus as text; write it outside the inputs")
+
+
+def check_prepare_outputs(out: str, reads: Sequence[str], option: str = "--out", inputs: Sequence[str] = ()) -> None:
+    """The files of corpus ``out`` (``.bin``, ``.idx``, ``.meta.json``, ``.tokenizer.json``) may be written: not a
+    directory, writable, none of ``reads`` (the input files), not inside an input directory nor matched by an input
+    glob of ``inputs`` (the INPUT arguments), and an existing one only as part of a corpus megashard prepared.
+    ConfigError naming ``option``."""
+    from megashard.outputs import check_output_file
+
+    _check_outside_inputs(out, inputs, option)
     mine = _corpus_file_mine(out)
     for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):
-        check_output_file(option, out + suffix, reads=reads, mine=mine,
-                          create_parents=True)
+        check_output_file(option, out + suffix, reads=reads, mine=mine, create_parents=True)
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_tokenizer: Optional[int] = None,
@@ -351,13 +376,14 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
     if not isinstance(out, str) or not os.path.basename(out):
         raise DataError(f"--out {out!r} must be a file prefix (e.g. data/corpus), not a directory")
     out_dir = os.path.dirname(os.path.abspath(out))
+    _check_outside_inputs(out, inputs, "--out")  # before the probe below writes into the directory
     check_output_file("--out", out, create_parents=True, mine=lambda p: None)  # not under a file, writable
     if not os.path.isdir(out_dir):
         raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")
     notes: list[str] = []
     files = text_inputs(inputs, notes)
     tok_input = [tokenizer] if train_tokenizer is None and tokenizer != "byte" and os.path.exists(tokenizer) else []
-    check_prepare_outputs(out, files + tok_input)
+    check_prepare_outputs(out, files + tok_input, inputs=inputs)
     tok = None if train_tokenizer is not None else load_tokenizer(tokenizer)
     t0 = time.perf_counter()
     # Everything is written into a directory of this call's own next to the output, renamed into place at the end.

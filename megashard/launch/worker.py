@@ -58,14 +58,17 @@ def _first_to_say(text: str) -> bool:
     """Whether this worker is the first of its node to report ``text`` (the same error found by every rank, e.g. a
     damaged checkpoint every rank reads, is one line per job, not one per rank). The agent gives the workers of
     a launch a directory (``MEGASHARD_ERROR_DIR``); the first to create the file named by the text's hash says
-    it. Without one (a worker started by hand) every worker says it."""
+    it, once per start of the workers (a restart that meets the same error says it again: the agent's restart line
+    comes between). Without one (a worker started by hand) every worker says it."""
     import hashlib
     import os
 
     where = os.environ.get("MEGASHARD_ERROR_DIR")
     if not where or not os.path.isdir(where):
         return True
-    name = os.path.join(where, hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:32])
+    start = "/".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE"))  # this start's world
+    key = f"{start}\n{text}".encode("utf-8", "replace")
+    name = os.path.join(where, hashlib.sha256(key).hexdigest()[:32])
     try:
         os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:

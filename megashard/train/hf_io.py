@@ -77,7 +77,7 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
     ckpt = os.path.abspath(safety.resolve_checkpoint(path))
     # A file, a path under a file, an unwritable place, a directory holding (or inside) the checkpoint, or one
     # megashard did not export (which --force would delete): refused before anything is read.
-    check_output_dir("OUT", out, reads=[ckpt], kind="hf-export", replace=True)
+    check_output_dir("OUT", out, reads=[ckpt, path], kind="hf-export", replace=True)
     given, out = out, os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise CheckpointError(f"OUT {given}: exists and is not an empty directory (an earlier export of megashard); "
@@ -116,7 +116,7 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
         # No max_length: generate(max_new_tokens=...) would warn that both are set (config.json holds the context).
         _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False})
         if os.path.exists(out):
-            check_output_dir("OUT", out, reads=[ckpt], kind="hf-export", replace=True)  # still ours, just before
+            check_output_dir("OUT", out, reads=[ckpt, path], kind="hf-export", replace=True)  # still ours, just before
             _replace_dir(out, tmp)
         else:
             os.replace(tmp, out)
