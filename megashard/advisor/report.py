@@ -1,29 +1,13 @@
-"""The report of ``megashard plan --suggest``: the ranked layouts as a table or JSON, and ``80GiB``-style sizes."""
+"""The report of ``megashard plan --suggest``: the ranked layouts as a table or JSON (sizes: :mod:`.units`)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from megashard.advisor.cost import AXES
 from megashard.advisor.search import Candidate, Suggestion
-from megashard.errors import ConfigError
+from megashard.advisor.units import parse_bytes  # noqa: F401 - re-exported (its old home)
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 GIB = 1 << 30
-
-
-def parse_bytes(text: str, option: str = "--device-memory") -> int:
-    """``80GiB`` / ``80GB`` / ``81920MiB`` / ``85899345920`` → bytes; ConfigError naming ``option`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"{option} {text!r}: give a size such as 80GiB, 141GB or 81920MiB (units: B, KB, MB, GB, TB, "
-                          "KiB, MiB, GiB, TiB)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ConfigError(f"{option} {text!r}: must be more than 0 bytes")
-    return value
 
 
 def _gib(n: int) -> str:

@@ -66,8 +66,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     """``megashard plan --suggest``."""
     import os
 
-    from megashard.advisor.report import format_suggestion, parse_bytes, suggestion_dict
-    from megashard.advisor.search import suggest
+    from megashard.advisor.report import format_suggestion, suggestion_dict
+    from megashard.advisor.units import check_count, parse_bytes
+    from megashard.advisor.search import WORLD_NOTE, suggest
     from megashard.cli.options import check_int, check_output_path, flags_text, size_flags, write_svg
     from megashard.config import yamlfile
 
@@ -81,11 +82,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} describes one layout's groups; it does not apply with --suggest")
     if args.device_memory is None:
         raise ConfigError("--suggest needs --device-memory SIZE, the memory a rank may use (e.g. 80GiB for an H100)")
-    memory = parse_bytes(args.device_memory)
+    memory = parse_bytes(args.device_memory, "--device-memory")
     if args.world_size is None:
         raise ConfigError("--suggest needs --world-size N (the number of ranks to lay out)")
-    check_int("--world-size", args.world_size, 1, 1 << 16, note=" (the advisor enumerates layouts of up to 65,536 "
-              "ranks)")
+    check_count("--world-size", args.world_size, 1, 1 << 16, note=WORLD_NOTE)
     check_int("--ranks-per-node", args.ranks_per_node, 1)
     check_int("--top", args.top, 1)
     check_int("--svg-max-ranks", args.svg_max_ranks, 1)
