@@ -74,6 +74,9 @@ class LiveBytes(TorchDispatchMode):
         self._op = "before"
         self._hook: Any = None
         self.timeline: Optional[list[tuple[str, int]]] = None  # (op, live bytes after it) when recording
+        self.phase: Optional[str] = None
+        """A label of where the program is (set by the caller, e.g. from module hooks); :meth:`phase_peaks`."""
+        self._phase_at: list[tuple[int, str]] = []
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, st: torch.UntypedStorage) -> None:
@@ -112,6 +115,8 @@ class LiveBytes(TorchDispatchMode):
     def _note(self, what: str) -> None:
         """Close the current op: what it allocated (and what was freed meanwhile) is its delta."""
         with self._lock:
+            if self.phase is not None:
+                self._phase_at.append((len(self._deltas) - 1, self.phase))
             if self.timeline is not None:
                 self.timeline.append((what, self.live))
             self._names[-1] = what
@@ -140,6 +145,19 @@ class LiveBytes(TorchDispatchMode):
             if i >= self._start and (best is None or live > best):
                 best, at = live, i
         return (best or 0), at
+
+    def phase_peaks(self) -> dict[str, int]:
+        """The most live bytes after any op labelled with each :attr:`phase` (since the peak's start)."""
+        with self._lock:
+            deltas = list(self._deltas)
+            labels = dict(self._phase_at)
+        out: dict[str, int] = {}
+        live = 0
+        for i, d in enumerate(deltas):
+            live += d
+            if i >= self._start and i in labels:
+                out[labels[i]] = max(out.get(labels[i], 0), live)
+        return out
 
     @property
     def peak(self) -> int:

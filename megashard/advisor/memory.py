@@ -54,10 +54,12 @@ class MemoryEstimate:
     """Microbatches whose activations one rank holds at once (pipeline rank ``rank``)."""
     largest_moe_shard: int = 0
     """Bytes of one MoE block's expert parameters on this rank after ep / expt_tp / FSDP (0 without experts)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Bytes at every moment the estimate weighs (``forward end``, ``backward block i``, ``optimizer step``)."""
 
 
 def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1,
-                     seq_local: int | None = None) -> int:
+                     seq_local: int | None = None, cp: int = 1) -> int:
     """Bytes one block saves for backward for ``t`` tokens on this rank (``[b, s/cp]`` flattened).
 
     ``gpt``: block input, LayerNorm outputs (2 · t·h) and their mean/rstd, the input of the second LayerNorm (t·h),
@@ -81,6 +83,14 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
     attn = (3 + 1) * t * h // tp * e + t * a * F32  # qkv; SDPA output (its [b, s, heads, d] layout: no copy)
     if not gpt:  # rotated q and k (SDPA's inputs) and the cos / sin tables cast to the dtype, twice
         attn += 2 * t * h // tp * e + 4 * (seq_local or s.seq) * (h // s.heads) * e
+    if cp > 1:
+        # SDPA keeps the keys and values all-gathered over cp (cp · t tokens each) and the causal mask of this chunk
+        # as an additive float tensor [s/cp, s]; llama's q is the rotated copy and v its gathered copy, so nothing
+        # keeps the QKV output (nor the rotated k) alive there any more.
+        local = seq_local or s.seq // cp
+        attn += 2 * cp * t * h // tp * e + local * local * cp * e
+        if not gpt:
+            attn -= 4 * t * h // tp * e
     out = norm_in + norm + attn + norm_in + norm  # ln1 (input, output), attention, ln2 (input, output)
     if moe:
         f = s.ffn // expt_tp
@@ -96,7 +106,7 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
     return out
 
 
-def head_activation(s: JobShape, t: int, tp: int) -> tuple[int, int]:
+def head_activation(s: JobShape, t: int, tp: int, stage_output: bool = False) -> tuple[int, int]:
     """``(saved, backward_peak_extra)`` bytes of the last stage's final norm, head and loss for ``t`` tokens.
 
     Saved: the last block's output, the final norm's tensors and the softmax (fp32, t · vocab/tp). At the start of
@@ -108,6 +118,8 @@ def head_activation(s: JobShape, t: int, tp: int) -> tuple[int, int]:
     norm = t * h * e + 2 * t * F32 if s.arch == "gpt" else 2 * t * h * e + t * F32 + (t * h * F32 if upcast else 0)
     logits = t * V * F32
     saved = (0 if upcast else t * h * e) + norm + logits + t * 9  # + target ids and the out-of-range mask (tp > 1)
+    if stage_output:  # a pipeline's last stage: the schedule keeps its output (the logits) until its backward
+        saved += t * V * e
     extra = 2 * t * V * F32 + (t * V * e if e != F32 else 0)
     return saved, extra
 
@@ -177,7 +189,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             dense += d
             expert += x
             blocks.append((numel(d), numel(x)))
-            acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp))
+            acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp, cp))
             if x:
                 moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
     dense += root
@@ -189,7 +201,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     data = s.synthetic_sequences * (s.seq + 1) * 8
     ce = e  # the dtype FSDP gathers parameters in (bf16 under mixed precision, else the master dtype)
     root_u = numel(root) * ce
-    head_saved, head_extra = head_activation(s, t, tp) if last else (0, 0)
+    head_saved, head_extra = head_activation(s, t, tp, pp > 1) if last else (0, 0)
     embed_saved = t * 8 if first else 0  # the embedding keeps the token ids
 
     if recompute:
@@ -222,19 +234,27 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     f_loc = s.ffn // (etp if any(x for _, x in blocks) else tp)
     start_bwd = (t * s.hidden + 2 * t * f_loc) * e + s.hidden * f_loc * pb
     # end of forward / start of backward: every saved activation plus the loss's gradients (blocks resharded)
-    g_fwd = all_u if gathered_all else root_u
+    n = len(blocks)
+    if gathered_all:
+        kept_u = [block_u[i] for i in range(n)]
+    else:
+        # FSDP reshards a block after its forward only where it has peers to gather from again, and never the last
+        # block (its backward comes next; megashard.models.parallelize): dense parts over n_dense, experts over
+        # n_expert.
+        kept_u = [(0 if n_dense > 1 and i < n - 1 else blocks[i][0] * ce)
+                  + (0 if n_expert > 1 and i < n - 1 else blocks[i][1] * ce) for i in range(n)]
+    g_fwd = all_u if gathered_all else root_u + sum(kept_u)
     phases["forward end"] = (state + g_fwd + act_total + head_extra + bufs,
                              {"gathered": g_fwd, "activations": act_total, "logits": head_extra, "transient": bufs})
     # backward of block i (last to first): at its start every earlier activation is alive; at its end its unsharded
     # gradients and the reduce-scatter's copy of them (later blocks' gradients are sharded already)
     head_g = (numel(root_params(s, tp, False, True)) if last else 0) * pb  # final norm and head: first gradients
     done_grads = 0
-    n = len(blocks)
     for i in range(n - 1, -1, -1):
         if gathered_all:
             g = all_u
-        else:
-            g = root_u + block_u[i] + (block_u[i - 1] if i > 0 else 0)  # this block and the prefetched next
+        else:  # this block, the prefetched next, and the earlier blocks never resharded (blocks resharded after backward)
+            g = root_u + block_u[i] + (block_u[i - 1] if i > 0 else 0) + sum(kept_u[:max(0, i - 1)])
         before = int((per_mb - sum(kept[i + 1:]) - head_saved) * inflight) + rerun  # activations of blocks <= i
         after = int((per_mb - sum(kept[i:]) - head_saved) * inflight)
         if accumulate:
@@ -252,10 +272,11 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                                                                         "grads": grads_end, "transient": bufs})
         done_grads += -(-block_g[i] // max(1, n_dense))
     phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
+    at = {k.replace(" (reduce-scatter)", ""): v for k, (v, _) in phases.items()}
     full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
             "transient": 0, "data": data}
     full.update(parts)
     return MemoryEstimate(peak=int(peak), rank=r, phase=phase, parts=full,
                           activation_per_block=(acts[0] if acts else 0),
                           activation_kept_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
-                          largest_moe_shard=moe_shard)
+                          largest_moe_shard=moe_shard, phases=at)

@@ -31,7 +31,9 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
                          "largest_moe_shard": m.largest_moe_shard}
     if c.cost is not None:
         k = c.cost
-        out["step"] = {"seconds": k.seconds, "compute_s": k.compute_s, "bubble": k.bubble,
+        out["step"] = {"seconds": k.seconds, "measured_seconds": c.measured_s,
+                       "source": "measured" if c.measured_s is not None else "modelled",
+                       "compute_s": k.compute_s, "bubble": k.bubble,
                        "tokens_per_s": k.tokens_per_s, "comm_s": k.comm_s, "bytes_by_axis": k.bytes_by_axis,
                        "in_node": k.in_node}
     return out
@@ -46,6 +48,9 @@ def suggestion_dict(r: Suggestion, top: int, source: str = "") -> dict[str, Any]
         "hardware": {k: getattr(hw, k) for k in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us",
                                                  "fp32_factor")},
         "considered": r.considered, "fit": len(r.ranked), "too_large": len(r.too_big), "refused": len(r.rejected),
+        "measured": sum(c.measured_s is not None for c in r.ranked),
+        "ranked_by": ("measured step time, then the model" if any(c.measured_s is not None for c in r.ranked)
+                      else "modelled step time"),
         "top": [candidate_dict(c) for c in r.ranked[:top]],
         "too_large_layouts": [{"layout": c.label(), "reason": too_big_reason(c, r.device_memory)} for c in r.too_big],
         "refused_layouts": [{"layout": c.label(), "reason": why} for c, why in r.rejected],
@@ -69,22 +74,33 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
            f"assumed: {hw.tflops:g} TFLOP/s × {hw.mfu:g} MFU (fp32 × {hw.fp32_factor:g}), {hw.intra_gbps:g} GB/s in a "
            f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)",
            f"considered {r.considered:,} layouts: {len(r.ranked):,} fit, {len(r.too_big):,} too large, "
-           f"{len(r.rejected):,} refused by the job's rules", ""]
+           f"{len(r.rejected):,} refused by the job's rules"]
+    timed = [c for c in r.ranked if c.measured_s is not None]
+    failed = [c for c in r.ranked if c.measure_error]
+    if timed or failed:
+        out.append(f"ranked by step time measured on this machine for {len(timed)} layout(s) (meas_ms), fastest "
+                   f"first; the other {len(r.ranked) - len(timed):,} by the model (step_ms, not calibrated)"
+                   + (f"; {len(failed)} calibration run(s) failed (listed below)" if failed else ""))
+    else:
+        out.append("ranked by the modelled step time (step_ms; not calibrated: --calibrate times the top layouts)")
+    out.append("")
     if r.ranked:
-        head = ("#", "tp", "cp", "pp", "vpp", "dp_out", "dp_shd", "ep", "etp", "recomp", "mb", "step_ms", "tok/s",
-                "peak_GiB", *(f"{a}_GB" for a in AXES))
+        head = ("#", "tp", "cp", "pp", "vpp", "dp_out", "dp_shd", "ep", "etp", "recomp", "mb", "meas_ms", "step_ms",
+                "tok/s", "peak_GiB", *(f"{a}_GB" for a in AXES))
         rows = [head]
         for i, c in enumerate(r.ranked[:top], 1):
             s, k, m = c.sizes, c.cost, c.memory
             assert k is not None and m is not None
             rows.append((str(i), str(s["tp"]), str(s["cp"]), str(s["pp"]), str(s["vpp"] or "-"), str(s["dp_outer"]),
                          str(s["dp_shard"]), str(s["ep"]), str(s["expt_tp"]), "on" if c.recompute else "off",
-                         str(c.microbatches), f"{k.seconds * 1e3:.1f}", f"{k.tokens_per_s:,.0f}", _gib(m.peak),
+                         str(c.microbatches), f"{c.measured_s * 1e3:.1f}" if c.measured_s is not None else "-",
+                         f"{k.seconds * 1e3:.1f}", f"{k.tokens_per_s:,.0f}", _gib(m.peak),
                          *(_gb(k.bytes_by_axis[a]) + ("" if k.in_node[a] or not k.bytes_by_axis[a] else "*")
                            for a in AXES)))
         widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
         out += ["  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-        out.append("  (GB sent per rank and step on each axis; * = crosses nodes)")
+        out.append("  (meas_ms: measured on this machine; step_ms, tok/s, peak_GiB, GB: modelled; GB sent per rank and "
+                   "step on each axis; * = crosses nodes)")
         best = r.ranked[0]
         m = best.memory
         assert m is not None
@@ -94,6 +110,9 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
                 f"#1 as overrides: {' '.join(best.overrides())}"]
     else:
         out.append("no valid layout fits: see below")
+    if failed:
+        out += ["", "calibration runs that failed (ranked by the model):"]
+        out += [f"  {c.label()}: {c.measure_error}" for c in failed]
     if r.too_big:
         out += ["", f"too large ({len(r.too_big):,}, smallest first):"]
         out += [f"  {c.label()}: {too_big_reason(c, r.device_memory)}" for c in r.too_big[:shown_rejections]]

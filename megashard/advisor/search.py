@@ -41,6 +41,10 @@ class Candidate:
     resolved: Any = None
     memory: Optional[MemoryEstimate] = None
     cost: Optional[StepCost] = None
+    measured_s: Optional[float] = None
+    """Seconds per step measured on this machine (``--calibrate`` / ``--calibration``; None: only modelled)."""
+    measure_error: Optional[str] = None
+    """Why its calibration run failed."""
 
     def label(self) -> str:
         """``tp=2 cp=1 pp=4 vpp=2 dp_outer=1 dp_shard=8 ep=1 expt_tp=1 recompute=off mb=8``."""
