@@ -152,11 +152,13 @@ class LiveBytes(TorchDispatchMode):
             deltas = list(self._deltas)
             labels = dict(self._phase_at)
         out: dict[str, int] = {}
+        self._phase_index: dict[str, int] = {}
         live = 0
         for i, d in enumerate(deltas):
             live += d
-            if i >= self._start and i in labels:
-                out[labels[i]] = max(out.get(labels[i], 0), live)
+            if i >= self._start and i in labels and live > out.get(labels[i], -1):
+                out[labels[i]] = live
+                self._phase_index[labels[i]] = i
         return out
 
     @property
@@ -176,9 +178,10 @@ class LiveBytes(TorchDispatchMode):
             self.reset_peak()
 
     # ------------------------------------------------------------------ the mode
-    def breakdown(self, top: int = 12) -> list[tuple[str, int]]:
-        """``(op that made it, bytes)`` of the storages alive at the peak, largest first (``origins=True`` only)."""
-        at = self._peak()[1]
+    def breakdown(self, top: int = 12, phase: Optional[str] = None) -> list[tuple[str, int]]:
+        """``(op that made it, bytes)`` of the storages alive at the peak (or at ``phase``'s peak, after
+        :meth:`phase_peaks`), largest first (``origins=True`` only)."""
+        at = self._peak()[1] if phase is None else self._phase_index[phase]
         out: dict[str, int] = {}
         for op, n, born, died in self._lifetimes:
             if born <= at and (died is None or died > at):

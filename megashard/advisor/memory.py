@@ -85,12 +85,12 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
         attn += 2 * t * h // tp * e + 4 * (seq_local or s.seq) * (h // s.heads) * e
     if cp > 1:
         # SDPA keeps the keys and values all-gathered over cp (cp · t tokens each) and the causal mask of this chunk
-        # as an additive float tensor [s/cp, s]; llama's q is the rotated copy and v its gathered copy, so nothing
-        # keeps the QKV output (nor the rotated k) alive there any more.
+        # as an additive float tensor [s/cp, s]; llama's q is the rotated copy and v its gathered copy, so the QKV
+        # output is no longer kept there (measured: one t·h/tp more than q's rotated copy stays, the rotary's)
         local = seq_local or s.seq // cp
         attn += 2 * cp * t * h // tp * e + local * local * cp * e
         if not gpt:
-            attn -= 4 * t * h // tp * e
+            attn -= 3 * t * h // tp * e
     out = norm_in + norm + attn + norm_in + norm  # ln1 (input, output), attention, ln2 (input, output)
     if moe:
         f = s.ffn // expt_tp
@@ -98,8 +98,7 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
         hidden_acts = 2 if gpt else 4
         out += t * s.num_experts * e + t * s.top_k * (8 + 2 * e)  # router softmax, top-k ids and gates
         out += pairs * ((2 * h + hidden_acts * f) * e + 3 * 8)  # expert input, output, hidden; index tensors
-        if ep > 1:
-            out += pairs * h * e  # outputs sent back, kept by the gate multiply
+        out += pairs * h * e  # the outputs the gate weights multiply (sent back first with ep > 1), kept by it
     else:
         f = s.ffn // tp
         out += (2 if gpt else 4) * t * f * e
@@ -206,7 +205,9 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
 
     if recompute:
         kept = [t * s.hidden * e // (tp if distribute_saved and pp == 1 else 1) for _ in acts]
-        rerun = max(acts) if acts else 0  # one block recomputed at a time in backward
+        # one block recomputed at a time in backward: its saved tensors and its recomputed output, whose gradient the
+        # rerun's backward starts from
+        rerun = (max(acts) + t * s.hidden * e) if acts else 0
     else:
         kept, rerun = acts, 0
     per_mb = sum(kept) + head_saved + embed_saved
@@ -258,7 +259,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
         before = int((per_mb - sum(kept[i + 1:]) - head_saved) * inflight) + rerun  # activations of blocks <= i
         after = int((per_mb - sum(kept[i:]) - head_saved) * inflight)
         if accumulate:
-            grads_start = grads_end = sum(block_g) + head_g  # every unsharded gradient until the last microbatch
+            # every unsharded gradient until the last microbatch, the stage's embeddings and head included
+            grads_start = grads_end = sum(block_g) + numel(root) * max(ce, 4 if ce == 2 else ce)
         else:
             grads_start = head_g + done_grads
             grads_end = head_g + done_grads + 2 * block_g[i]
