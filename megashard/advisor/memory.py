@@ -95,6 +95,8 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
     if moe:
         f = s.ffn // expt_tp
         pairs = t * s.top_k // tp * expt_tp  # the expt_tp group runs its ranks' tokens together
+        if ep > 1:  # pairs arrive from every ep rank: the busiest rank gets up to the imbalance bound's share
+            pairs = math.ceil(pairs * s.moe_imbalance)
         hidden_acts = 2 if gpt else 4
         out += t * s.num_experts * e + t * s.top_k * (8 + 2 * e)  # router softmax, top-k ids and gates
         out += pairs * ((2 * h + hidden_acts * f) * e + 3 * 8)  # expert input, output, hidden; index tensors

@@ -47,6 +47,7 @@ def suggestion_dict(r: Suggestion, top: int, source: str = "") -> dict[str, Any]
         "ranks_per_node": r.ranks_per_node,
         "hardware": {k: getattr(hw, k) for k in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us",
                                                  "fp32_factor")},
+        "moe_imbalance": r.moe_imbalance,
         "considered": r.considered, "fit": len(r.ranked), "too_large": len(r.too_big), "refused": len(r.rejected),
         "measured": sum(c.measured_s is not None for c in r.ranked),
         "ranked_by": ("measured step time, then the model" if any(c.measured_s is not None for c in r.ranked)
@@ -72,7 +73,9 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
     out = [f"megashard plan --suggest{': ' + source if source else ''} — {r.world_size} rank{'s' if r.world_size != 1 else ''}, "
            f"{_gib(r.device_memory)} GiB per device, {r.ranks_per_node} ranks per node",
            f"assumed: {hw.tflops:g} TFLOP/s × {hw.mfu:g} MFU (fp32 × {hw.fp32_factor:g}), {hw.intra_gbps:g} GB/s in a "
-           f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)",
+           f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)"
+           + (f"; MoE memory: the busiest ep rank gets at most {r.moe_imbalance:g}× its even share of routed tokens "
+              "(--moe-imbalance)" if r.moe_imbalance else ""),
            f"considered {r.considered:,} layouts: {len(r.ranked):,} fit, {len(r.too_big):,} too large, "
            f"{len(r.rejected):,} refused by the job's rules"]
     timed = [c for c in r.ranked if c.measured_s is not None]

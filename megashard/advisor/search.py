@@ -85,6 +85,8 @@ class Suggestion:
     rejected: list[tuple[Candidate, str]] = field(default_factory=list)
     """Layouts the config's rules refuse, with the rule's one-line message."""
     considered: int = 0
+    moe_imbalance: Optional[float] = None
+    """The routing-imbalance bound MoE memory assumed (None: the job has no experts)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -212,7 +214,8 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
     hw = hardware or Hardware()
     shape = shape or JobShape.from_job(job)
     v = _Validator(job, world_size)
-    out = Suggestion(world_size, device_memory, ranks_per_node, hw)
+    out = Suggestion(world_size, device_memory, ranks_per_node, hw,
+                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None)
     for c in candidates(shape, world_size, ranks_per_node, job.train.pipeline_schedule):
         out.considered += 1
         try:

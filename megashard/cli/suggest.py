@@ -36,6 +36,9 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
     for flag, dest, kind, help_ in _HW_FLAGS:
         g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
+    g.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
+                   help="MoE memory: the busiest ep rank gets at most X times the even share of routed tokens "
+                        "(default 1.1; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
     g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
                    help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
@@ -52,6 +55,8 @@ def check_not_suggest(args: argparse.Namespace) -> None:
     used = [f for f, d, _, _ in _HW_FLAGS if getattr(args, f"hw_{d}", None) is not None]
     if args.device_memory is not None:
         used.insert(0, "--device-memory")
+    if getattr(args, "moe_imbalance", None) is not None:
+        used.append("--moe-imbalance")
     if getattr(args, "calibrate", None) is not None:
         used.append("--calibrate")
     if getattr(args, "calibration", None) is not None:
@@ -122,7 +127,18 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         doc = yamlfile.apply_overrides(doc, list(args.overrides))
         job = JobConfig.from_dict(doc, name=os.path.splitext(os.path.basename(args.config))[0])
         job.validate_sections()
-    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw)
+    shape = None
+    if args.moe_imbalance is not None:
+        import dataclasses
+        import math
+
+        from megashard.advisor.shape import JobShape
+
+        if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
+            raise ConfigError(f"--moe-imbalance {args.moe_imbalance}: must be a number >= 1 (1 = perfectly balanced "
+                              "routing)")
+        shape = dataclasses.replace(JobShape.from_job(job), moe_imbalance=args.moe_imbalance)
+    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw, shape=shape)
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
     if args.calibrate is not None or args.calibration is not None:
         _calibrate(args, doc, job, result, source)
