@@ -178,6 +178,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     expert: list[tuple[int, int]] = []
     blocks: list[tuple[int, int]] = []  # (unsharded dense numel, unsharded expert numel) per block, forward order
     acts: list[int] = []  # bytes saved per block per microbatch
+    expert_big: list[int] = []  # elements of each block's largest expert tensor (0: a dense block)
     moe_shard = 0
     first = any(st[0] for st in stages)
     last = any(st[1] for st in stages)
@@ -190,6 +191,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             dense += d
             expert += x
             blocks.append((numel(d), numel(x)))
+            expert_big.append(max((a * b for a, b in x), default=0))
             acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp, cp))
             if x:
                 moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
@@ -241,14 +243,26 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     if gathered_all:
         kept_u = [block_u[i] for i in range(n)]
     else:
-        # FSDP reshards a block after its forward only where it has peers to gather from again, and never the last
-        # block (its backward comes next; megashard.models.parallelize): dense parts over n_dense, experts over
-        # n_expert.
-        kept_u = [(0 if n_dense > 1 and i < n - 1 else blocks[i][0] * ce)
-                  + (0 if n_expert > 1 and i < n - 1 else blocks[i][1] * ce) for i in range(n)]
+        # FSDP reshards a block after its forward only where its mesh (HSDP replicas included) has more than one
+        # rank, and never the last block (its backward comes next; megashard.models.parallelize)
+        mesh_d, mesh_x = n_dense * sz.dp_outer, n_expert * sz.dp_outer
+        kept_u = [(0 if mesh_d > 1 and i < n - 1 else blocks[i][0] * ce)
+                  + (0 if mesh_x > 1 and i < n - 1 else blocks[i][1] * ce) for i in range(n)]
     g_fwd = all_u if gathered_all else root_u + sum(kept_u)
-    phases["forward end"] = (state + g_fwd + act_total + head_extra + bufs,
-                             {"gathered": g_fwd, "activations": act_total, "logits": head_extra, "transient": bufs})
+    # FSDP2 keeps the last all-gather's output buffer (``comm_ctx.all_gather_state``) until the next all-gather: at the
+    # end of forward that is the last block's (its experts' when it is an MoE block: a unit of its own), and when
+    # that unit is the experts, the first backward all-gather comes only after their backward (their prefetch is a
+    # no-op: they were never resharded).
+    ag_buf, ag_into_bwd = 0, False
+    if not gathered_all and blocks:
+        d_last, x_last = blocks[-1]
+        if x_last and n_expert > 1:
+            ag_buf, ag_into_bwd = x_last * ce, True
+        elif n_dense > 1:
+            ag_buf = d_last * ce
+    phases["forward end"] = (state + g_fwd + ag_buf + act_total + head_extra + bufs,
+                             {"gathered": g_fwd, "activations": act_total, "logits": head_extra,
+                              "transient": bufs + ag_buf})
     # backward of block i (last to first): at its start every earlier activation is alive; at its end its unsharded
     # gradients and the reduce-scatter's copy of them (later blocks' gradients are sharded already)
     head_g = (numel(root_params(s, tp, False, True)) if last else 0) * pb  # final norm and head: first gradients
@@ -265,12 +279,15 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             grads_start = grads_end = sum(block_g) + numel(root) * max(ce, 4 if ce == 2 else ce)
         else:
             grads_start = head_g + done_grads
-            grads_end = head_g + done_grads + 2 * block_g[i]
-        a_total = state + g + before + start_bwd + grads_start + bufs
+            # experts index their stacked weights (w1[e]): each expert's gradient arrives as a full-size tensor
+            # (select_backward) summed into the weight's, so one more of the largest is alive meanwhile
+            grads_end = head_g + done_grads + 2 * block_g[i] + expert_big[i] * max(ce, 4 if ce == 2 else ce)
+        held = ag_buf if ag_into_bwd and i == n - 1 else 0
+        a_total = state + g + before + start_bwd + grads_start + bufs + held
         b_total = state + g + after + grads_end + bufs
         if a_total >= b_total:
             phases[f"backward block {i}"] = (a_total, {"gathered": g, "activations": before + start_bwd,
-                                                       "grads": grads_start, "transient": bufs})
+                                                       "grads": grads_start, "transient": bufs + held})
         else:
             phases[f"backward block {i} (reduce-scatter)"] = (b_total, {"gathered": g, "activations": after,
                                                                         "grads": grads_end, "transient": bufs})
