@@ -223,7 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", default="memory,calibration,speed", help="comma-separated parts to run")
     ap.add_argument("--layouts", default=None, help="memory: comma-separated layout names (default: all)")
-    ap.add_argument("--calib-memory", default="5.5MiB", help="calibration: device memory of the small case")
+    ap.add_argument("--calib-memory", default="4.2MiB", help="calibration: device memory of the small case")
     ap.add_argument("--calibrate", type=int, default=4, help="calibration: the model's top K that --calibrate times")
     ap.add_argument("--calib-steps", type=int, default=5)
     ap.add_argument("--calib-rounds", type=int, default=2)

@@ -217,10 +217,12 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     per_mb = sum(kept) + head_saved + embed_saved
     inflight = inflight_microbatches(s, pp, vpp, r, mb)
     if pp > 1:
-        # Non-first stages receive their input into a buffer per microbatch (the first block's saved input) and
-        # non-last ones a gradient buffer per microbatch; a non-last stage keeps its output for backward.
-        bufs = (0 if first else mb * t * s.hidden * e) + (0 if last else mb * t * s.hidden * e)
-        per_mb += (0 if last else t * s.hidden * e) - (0 if first else t * s.hidden * e)
+        # Every stage of the rank (two or more under interleaved schedules) has its own buffers: a non-first one
+        # receives its input into a buffer per microbatch (its first block's saved input), a non-last one a gradient
+        # buffer per microbatch, and keeps its output for backward.
+        act = t * s.hidden * e
+        bufs = sum((0 if st_first else mb * act) + (0 if st_last else mb * act) for st_first, st_last, _ in stages)
+        per_mb += sum((0 if st_last else act) - (0 if st_first else act) for st_first, st_last, _ in stages)
     else:
         bufs = 0
     act_total = int(per_mb * inflight)
