@@ -129,6 +129,9 @@ def memory_part(names: list[str]) -> list[dict]:
         finally:
             os.environ.pop(_ENV, None)
         per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS.replace(".json", "-measured.json"), "w") as f:  # kept before any estimate runs
+        json.dump({"per_rank": per_rank, "loadavg": os.getloadavg()}, f)
     rows = []
     for name in names:
         job = layout_job(name)
