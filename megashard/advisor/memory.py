@@ -240,6 +240,10 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     # the start of a block's backward: its output's gradient, the MLP's hidden gradients, the last weight's gradient
     f_loc = s.ffn // (etp if any(x for _, x in blocks) else tp)
     start_bwd = (t * s.hidden + 2 * t * f_loc) * e + s.hidden * f_loc * pb
+    if s.arch != "gpt" and e != F32:
+        # an RMSNorm computing in fp32 under bf16 differentiates in fp32: its input's gradient, x² and the scaled
+        # terms (three [t, h] fp32 tensors) at once, twice the bytes of the bf16 tensors around it
+        start_bwd += 3 * t * s.hidden * F32
     # end of forward / start of backward: every saved activation plus the loss's gradients (blocks resharded)
     n = len(blocks)
     if gathered_all:
