@@ -297,7 +297,9 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
         else:
             phases[f"backward block {i} (reduce-scatter)"] = (b_total, {"gathered": g, "activations": after,
                                                                         "grads": grads_end, "transient": bufs})
-        done_grads += -(-block_g[i] // max(1, n_dense))
+        gb = max(ce, 4 if ce == 2 else ce)  # a gradient element's bytes (fp32 under bf16)
+        # its gradients are sharded now: dense ones over n_dense, experts over their own (maybe 1-rank) group
+        done_grads += -(-blocks[i][0] * gb // max(1, n_dense)) + -(-blocks[i][1] * gb // max(1, n_expert))
     phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     at = {k.replace(" (reduce-scatter)", ""): v for k, (v, _) in phases.items()}
     full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
