@@ -9,12 +9,16 @@ It counts what ``megashard run`` really keeps (docs/advisor.md has every formula
   dense tensors over ``dp_shard · cp`` (HSDP replicas over ``dp_outer`` hold the same shards), experts over
   ``expt_dp / dp_outer``; FSDP2 splits dim 0 into ceil(dim0 / n) rows, so a rank holds rank 0's (largest) share;
 - **gathered**: the unsharded parameters FSDP2 all-gathers in the compute dtype — the root module (embeddings,
-  head) for the whole forward and backward, one block (plus the next, prefetched) at a time; a pipeline stage keeps
-  all of its blocks gathered for the step (``train.reshard_between_microbatches: false``), and gradient accumulation
-  (pipeline or ``train.microbatches > 1``) keeps every unsharded gradient until the last microbatch;
-- **activations**: the tensors each block saves for backward (:func:`block_activation`), per microbatch, times the
+  head) for the whole forward and backward, one block (plus the next, prefetched) at a time, the blocks FSDP never
+  reshards after forward (the last; all on a one-rank mesh) until their backward, and the last all-gather's buffer
+  FSDP holds at the end of forward; a pipeline stage keeps all of its blocks gathered for the step
+  (``train.reshard_between_microbatches: false``), and gradient accumulation (pipeline or ``train.microbatches >
+  1``) keeps every unsharded gradient until the last microbatch;
+- **activations**: the tensors each block saves for backward (:func:`block_activation`: cp's gathered keys and
+  values, MoE pairs up to the routing-imbalance bound ``JobShape.moe_imbalance``), per microbatch, times the
   microbatches in flight (1 without a pipeline; ``pp - r`` on pipeline rank r under 1F1B, all under GPipe, the
-  warm-up depth under interleaved schedules); with ``model.recompute`` only each block's input plus one block;
+  warm-up depth under interleaved schedules), a pipeline's last stage also its logits; with ``model.recompute``
+  only each block's input plus one block being recomputed;
 - **logits**: the vocabulary-parallel cross entropy's softmax, its gradient and a scratch copy (3 · tokens · vocab/tp
   floats at the start of backward);
 - **transients**: the optimizer step's scratch copy (foreach AdamW's ``sqrt(v)``: one fp32 copy of the shard),
