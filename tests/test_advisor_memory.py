@@ -41,6 +41,9 @@ JOBS = {
     "tp=2 recompute": ["parallel.tp=2", "parallel.dp_shard=2", "model.recompute=true"],
     "moe ep=2 top2": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "model.num_experts=4",
                       "model.moe_top_k=2", "model.ffn_hidden=256"],
+    # expt_dp = 1: the experts' backward is the peak (every stacked weight's gradient at full size, and one more)
+    "moe ep=2 expt_tp=2": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "parallel.expt_tp=2",
+                           "model.num_experts=8", "model.moe_top_k=2", "model.ffn_hidden=512"],
     "llama tp=2 cp=2 bf16": ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1", "model.arch=llama",
                              "train.dtype=bfloat16"],
     # from benchmarks/advisor.py's untuned layouts (smaller model): the misses of issue 29

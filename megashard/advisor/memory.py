@@ -97,18 +97,27 @@ def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_
             attn -= 3 * t * h // tp * e
     out = norm_in + norm + attn + norm_in + norm  # ln1 (input, output), attention, ln2 (input, output)
     if moe:
-        f = s.ffn // expt_tp
-        pairs = t * s.top_k // tp * expt_tp  # the expt_tp group runs its ranks' tokens together
-        if ep > 1:  # pairs arrive from every ep rank: the busiest rank gets up to the imbalance bound's share
-            pairs = math.ceil(pairs * s.moe_imbalance)
-        hidden_acts = 2 if gpt else 4
+        # pairs arrive from every ep rank: the busiest rank gets up to the imbalance bound's share
         out += t * s.num_experts * e + t * s.top_k * (8 + 2 * e)  # router softmax, top-k ids and gates
-        out += pairs * ((2 * h + hidden_acts * f) * e + 3 * 8)  # expert input, output, hidden; index tensors
-        out += pairs * h * e  # the outputs the gate weights multiply (sent back first with ep > 1), kept by it
+        out += moe_pairs(s, t, tp, ep, expt_tp) * moe_pair_bytes(s, expt_tp)
     else:
         f = s.ffn // tp
         out += (2 if gpt else 4) * t * f * e
     return out
+
+
+def moe_pairs(s: JobShape, t: int, tp: int, ep: int = 1, expt_tp: int = 1) -> int:
+    """(token, expert) pairs the busiest ep rank's experts run for ``t`` tokens: ``t · top_k / tp`` per rank, times
+    expt_tp (its group runs its ranks' tokens together), times the routing-imbalance bound with ``ep > 1``."""
+    pairs = t * s.top_k // tp * expt_tp
+    return math.ceil(pairs * s.moe_imbalance) if ep > 1 else pairs
+
+
+def moe_pair_bytes(s: JobShape, expt_tp: int = 1) -> int:
+    """Bytes one routed pair keeps for backward: the expert's input and output, its hidden activations (gpt: fc1 and
+    GELU; llama: gate, SiLU, up, product), the output the gate weight multiplies, index tensors."""
+    e, h, f = s.act_bytes, s.hidden, s.ffn // expt_tp
+    return (2 * h + (2 if s.arch == "gpt" else 4) * f) * e + 3 * 8 + h * e
 
 
 def head_activation(s: JobShape, t: int, tp: int, stage_output: bool = False) -> tuple[int, int]:
@@ -183,6 +192,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     blocks: list[tuple[int, int]] = []  # (unsharded dense numel, unsharded expert numel) per block, forward order
     acts: list[int] = []  # bytes saved per block per microbatch
     expert_big: list[int] = []  # elements of each block's largest expert tensor (0: a dense block)
+    expert_n: list[int] = []  # how many expert tensors of that size (gpt: w1, w2; llama: w1, w3, w2)
+    pairs_of: list[int] = []  # routed pairs of each block's experts per microbatch (0: a dense block)
     moe_shard = 0
     first = any(st[0] for st in stages)
     last = any(st[1] for st in stages)
@@ -196,6 +207,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             expert += x
             blocks.append((numel(d), numel(x)))
             expert_big.append(max((a * b for a, b in x), default=0))
+            expert_n.append(sum(a * b == expert_big[-1] for a, b in x))
+            pairs_of.append(moe_pairs(s, t, tp, ep, etp) if moe else 0)
             acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp, cp))
             if x:
                 moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
@@ -293,19 +306,36 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             # (select_backward) summed into the weight's, so one more of the largest is alive meanwhile
             grads_end = head_g + done_grads + 2 * block_g[i] + expert_big[i] * max(ce, 4 if ce == 2 else ce)
         held = ag_buf if ag_into_bwd and i == n - 1 else 0
-        a_total = state + g + before + start_bwd + grads_start + bufs + held
-        b_total = state + g + after + grads_end + bufs
-        if a_total >= b_total:
-            phases[f"backward block {i}"] = (a_total, {"gathered": g, "activations": before + start_bwd,
-                                                       "grads": grads_start, "transient": bufs + held})
-        else:
-            phases[f"backward block {i} (reduce-scatter)"] = (b_total, {"gathered": g, "activations": after,
-                                                                        "grads": grads_end, "transient": bufs})
         gb = max(ce, 4 if ce == 2 else ce)  # a gradient element's bytes (fp32 under bf16)
+        # the block's backward begins by prefetching the next block, which releases the held all-gather buffer; an MoE
+        # block's MLP gradients come in the experts' moment below (its start has only the output's gradient)
+        prefetch = block_u[i - 1] if i > 0 and not gathered_all else 0
+        held = max(0, held - prefetch)
+        start = start_bwd if not pairs_of[i] else t * s.hidden * e
+        a_total = state + g + before + start + grads_start + bufs + held
+        b_total = state + g + after + grads_end + bufs
+        moments = [(a_total, f"backward block {i}", {"gathered": g, "activations": before + start,
+                                                     "grads": grads_start, "transient": bufs + held}),
+                   (b_total, f"backward block {i} (reduce-scatter)", {"gathered": g, "activations": after,
+                                                                      "grads": grads_end, "transient": bufs})]
+        if pairs_of[i]:
+            # the experts' backward, one expert after another (the first one's activations freed): each stacked
+            # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
+            # summed into out of place, so every weight's running sum plus a new one and their sum are alive; beside
+            # them the output's gradient, the pairs' gradients received and scattered back, one expert's hidden one.
+            # The held all-gather buffer is gone: the block's backward began by prefetching the next block's.
+            per_expert = pairs_of[i] // max(1, s.num_experts // ep)
+            work = (expert_n[i] + 2) * expert_big[i] * gb
+            grads_moe = (t * s.hidden + 2 * pairs_of[i] * s.hidden + per_expert * (s.ffn // etp)) * e
+            c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
+            moments.append((state + g + c_act + grads_start + work + bufs, f"backward block {i} (experts)",
+                            {"gathered": g, "activations": c_act, "grads": grads_start + work, "transient": bufs}))
+        total, name, parts_i = max(moments, key=lambda m: m[0])
+        phases[name] = (total, parts_i)
         # its gradients are sharded now: dense ones over n_dense, experts over their own (maybe 1-rank) group
         done_grads += -(-blocks[i][0] * gb // max(1, n_dense)) + -(-blocks[i][1] * gb // max(1, n_expert))
     phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
-    at = {k.replace(" (reduce-scatter)", ""): v for k, (v, _) in phases.items()}
+    at = {k.replace(" (reduce-scatter)", "").replace(" (experts)", ""): v for k, (v, _) in phases.items()}
     full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
             "transient": 0, "data": data}
     full.update(parts)
