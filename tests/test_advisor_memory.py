@@ -6,8 +6,8 @@ optimizer's state), a storage that gloo's thread lets go counted as freed after 
 the same job measures the same bytes on every run, however loaded the machine.
 
 The accuracy check runs small jobs of the example model for two steps on four gloo ranks (the eight jobs the model
-was first tuned on, and three cheap ones of ``benchmarks/advisor.py``'s untuned set: cp's gathered keys and values,
-GPipe's last stage, recompute with distributed saved inputs) and compares the largest rank's peak with
+was first tuned on, and four cheap ones of ``benchmarks/advisor.py``'s untuned set: cp's gathered keys and values,
+GPipe's last stage, recompute with distributed saved inputs, the experts' backward with ep · expt_tp) and compares the largest rank's peak with
 :func:`megashard.advisor.memory.estimate_memory`: never more than 3% under, at most 5% over (MoE: the stated
 routing-imbalance bound). What one block, the head and a pipeline stage save is checked exactly in one process
 (dense, MoE, first and last pipeline stage) and on two ranks (cp).

@@ -24,8 +24,10 @@ It counts what ``megashard run`` really keeps (docs/advisor.md has every formula
 - **transients**: the optimizer step's scratch copy (foreach AdamW's ``sqrt(v)``: one fp32 copy of the shard),
   the pipeline's receive buffers, the synthetic data.
 
-The peak is the largest of three phases: the end of forward / start of backward, the backward of each block, and
-the optimizer step (:func:`estimate_memory`). No torch import, no process.
+The peak is the largest of these moments: the end of forward / start of backward, the start and the end
+(reduce-scatter) of each block's backward, an MoE block's experts' backward (every stacked expert weight's gradient
+at full size — ``select_backward`` of ``w[e]`` — plus a new one and their sum), and the optimizer step
+(:func:`estimate_memory`). No torch import, no process.
 """
 from __future__ import annotations
 

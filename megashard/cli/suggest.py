@@ -32,7 +32,8 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
         "job is the defaults plus key=value overrides such as model.hidden=2048")
     g.add_argument("--suggest", action="store_true", help="suggest layouts instead of showing one")
     g.add_argument("--device-memory", metavar="SIZE", default=None,
-                   help="memory a rank may use on its device, e.g. 80GiB, 141GB (required with --suggest)")
+                   help="memory a rank may use on its device, e.g. 80GiB, 141GB (required with --suggest); a number "
+                        "without a unit is bytes, below 1 MiB refused")
     g.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
     for flag, dest, kind, help_ in _HW_FLAGS:
         g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
