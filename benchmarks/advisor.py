@@ -1,4 +1,18 @@
-"""`megashard plan --suggest`: how long the advisor takes per layout, against planning each layout one by one.
+"""`megashard plan --suggest`: how right its memory is, how well calibration ranks, and how long it takes.
+
+Three parts (``--part memory,calibration,speed``; all by default):
+
+**memory** — predicted against measured peak memory for every layout of :data:`LAYOUTS` (15 jobs on 4 gloo ranks
+that the tests never tuned: dense HSDP, tp, cp (gpt and llama), FSDP, pipelines 1F1B first/last stage, GPipe,
+interleaved 1F1B with recompute, zbv, recompute with distributed saved inputs, MoE ep / ep+expt_tp / tp+ep, llama
+bf16). Measured as the tests measure (tests/_live_bytes.py): live tensor-storage bytes of the steps after the first,
+frees by gloo's thread placed after the program's last use — the same bytes on every run, at any load. Goal: never
+more than 3% under, at most 5% over.
+
+**calibration** — every layout that fits a small case (configs/default.yaml, 4 ranks, ``--calib-memory``) is timed
+with real `megashard run`s (the calibration's own :func:`megashard.advisor.calibrate.time_layouts`: interleaved
+rounds, median of the steps after warm-up); the calibrated #1 (the fastest measured among the model's top
+``--calibrate K``) against the fastest of all, and where the model's own #1 lands.
 
 For a few jobs and world sizes the advisor (``megashard.advisor.search.suggest``: enumerate, validate with the job's
 own rules, estimate memory and step time) runs in this process; reported are the layouts considered, the wall time
@@ -7,8 +21,10 @@ without it: ``megashard plan CONFIG --world-size N parallel.tp=…`` (in-process
 validates and lays out one layout and says nothing of memory or time; it runs for the first ``--baseline`` layouts
 and is reported per layout, with the ratio. Also: whether torch was imported (it must not be).
 
-Usage: ``python benchmarks/advisor.py [--repeat 3] [--baseline 40] [--quick]``; writes
-``benchmarks/results/advisor.json``.
+**speed** (below) — the advisor's time per layout against planning each layout one by one.
+
+Usage: ``python benchmarks/advisor.py [--part memory,calibration,speed] [--repeat 3] [--baseline 40] [--quick]``;
+writes ``benchmarks/results/advisor.json``. Every part prints the load average (the machine is shared).
 """
 from __future__ import annotations
 
@@ -32,6 +48,153 @@ CASES = [  # (name, config, overrides, world size)
 ]
 
 
+# ---------------------------------------------------------------------------------------------- memory
+WORLD = 4
+RUN = ["train.steps=2", "checkpoint.interval=0", "checkpoint.save_final=false", "train.progress=false",
+       "train.plot=false", "train.resume=false", "model.dropout=0.0", "data.num_sequences=32",
+       f"launch.nproc_per_node={WORLD}"]
+#: The model of the memory layouts (not the tests' hidden 128 / 512 vocabulary / seq 64).
+MODEL = ["model.vocab_size=1024", "model.hidden=256", "model.layers=4", "model.heads=8", "model.seq_len=128",
+         "train.global_batch=8"]
+#: name -> overrides of the untuned memory layouts (4 ranks each).
+LAYOUTS = {
+    "hsdp dp_outer=2 dp_shard=2": ["parallel.tp=1", "parallel.dp_outer=2", "parallel.dp_shard=2"],
+    "tp=2 fsdp=2 tied": ["parallel.tp=2", "parallel.dp_shard=2", "model.tie_embeddings=true"],
+    "gpt tp=2 cp=2": ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1"],
+    "llama cp=4": ["parallel.tp=1", "parallel.cp=4", "parallel.dp_shard=1", "model.arch=llama"],
+    "fsdp=4 hidden 512 vocab 256": ["parallel.tp=1", "parallel.dp_shard=4", "model.hidden=512",
+                                    "model.vocab_size=256"],
+    "pp=2 1f1b tp=2 mb=4": ["parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1", "train.microbatches=4"],
+    "pp=4 gpipe mb=8": ["parallel.tp=1", "parallel.pp=4", "parallel.dp_shard=1", "train.microbatches=8",
+                        "train.pipeline_schedule=gpipe"],
+    "pp=2 vpp=2 interleaved recompute": ["parallel.tp=1", "parallel.pp=2", "parallel.vpp=2", "parallel.dp_shard=2",
+                                         "train.microbatches=4", "train.pipeline_schedule=interleaved_1f1b",
+                                         "model.recompute=true"],
+    "pp=2 zbv mb=4": ["parallel.tp=1", "parallel.pp=2", "parallel.vpp=2", "parallel.dp_shard=2",
+                      "train.microbatches=4", "train.pipeline_schedule=zbv"],
+    "tp=2 recompute distributed": ["parallel.tp=2", "parallel.dp_shard=2", "model.recompute=true",
+                                   "model.distribute_saved_activations=true"],
+    "moe 8 experts top-2 ep=2": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "model.num_experts=8",
+                                 "model.moe_top_k=2"],
+    "moe ep=2 expt_tp=2": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "parallel.expt_tp=2",
+                           "model.num_experts=8", "model.moe_top_k=2"],
+    "moe llama tp=2 ep=2": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", "model.num_experts=4",
+                            "model.moe_top_k=2", "model.arch=llama"],
+    "llama bf16 tp=2 recompute distributed": ["parallel.tp=2", "parallel.dp_shard=2", "model.arch=llama",
+                                              "train.dtype=bfloat16", "model.recompute=true",
+                                              "model.distribute_saved_activations=true"],
+    "llama bf16 fsdp=4 mb=2": ["parallel.tp=1", "parallel.dp_shard=4", "model.arch=llama", "train.dtype=bfloat16",
+                               "train.microbatches=2"],
+}
+_ENV = "MEGASHARD_ADVISOR_BENCH_DIR"
+
+
+def layout_job(name: str, out: str = "/tmp") -> object:
+    from megashard.train.config import JobConfig
+
+    return JobConfig.from_yaml(os.path.join(ROOT, "configs", "default.yaml"),
+                               RUN + MODEL + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + LAYOUTS[name])
+
+
+def check_measure(rank: int, world_size: int) -> None:
+    """In each spawned rank: every layout's steady-state peak (tests/_live_bytes.py's definition)."""
+    from megashard.train.loop import train
+    from tests._live_bytes import LiveBytes
+
+    out = os.environ[_ENV]
+    names = json.load(open(os.path.join(out, "names.json")))
+    peaks = {}
+    for name in names:
+        with LiveBytes(warmup_steps=1) as live:
+            train(layout_job(name, out))
+        peaks[name] = live.peak
+    with open(os.path.join(out, f"peaks{rank}.json"), "w") as f:
+        json.dump(peaks, f)
+
+
+def memory_part(names: list[str]) -> list[dict]:
+    """Predicted and measured peak (largest rank) of each layout."""
+    import tempfile
+
+    from megashard.advisor.memory import estimate_memory
+    from megashard.advisor.shape import JobShape
+    from tests._dist import spawn_checks
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="megashard-advisor-bench-") as tmp:
+        json.dump(names, open(os.path.join(tmp, "names.json"), "w"))
+        os.environ[_ENV] = tmp
+        try:
+            spawn_checks([check_measure], WORLD, timeout=3600).assert_ok("check_measure")
+        finally:
+            os.environ.pop(_ENV, None)
+        per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS.replace(".json", "-measured.json"), "w") as f:  # kept before any estimate runs
+        json.dump({"per_rank": per_rank, "loadavg": os.getloadavg()}, f)
+    rows = []
+    for name in names:
+        job = layout_job(name)
+        est = estimate_memory(JobShape.from_job(job), job.parallel.resolve(WORLD), job.model.recompute,
+                              job.model.distribute_saved_activations)
+        ranks = [p[name] for p in per_rank]
+        real = max(ranks)
+        rows.append({"layout": name, "predicted": est.peak, "measured": real, "error": est.peak / real - 1,
+                     "phase": est.phase, "pp_rank": est.rank, "ranks": ranks})
+    print(f"\n## memory: predicted vs measured peak per rank (largest rank; 4 gloo ranks; "
+          f"{time.perf_counter() - t0:.0f} s, load average {os.getloadavg()})\n")
+    print("| layout | predicted MiB | measured MiB | error | predicted peak at | ranks' peaks MiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['predicted'] / 2**20:.3f} | {r['measured'] / 2**20:.3f} | {r['error']:+.1%} | "
+              f"pp rank {r['pp_rank']}, {r['phase']} | {', '.join(f'{x / 2**20:.2f}' for x in r['ranks'])} |")
+    errs = [r["error"] for r in rows]
+    inside = sum(-0.03 <= e <= 0.05 for e in errs)
+    print(f"\n{inside} of {len(rows)} within the goal (-3% .. +5%); errors {min(errs):+.1%} .. {max(errs):+.1%}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def calibration_part(memory: str, top: int, steps: int, rounds: int, limit: int) -> dict:
+    """Time every layout that fits the small case; the calibrated #1 against the fastest measured."""
+    from megashard.advisor.calibrate import time_layouts
+    from megashard.advisor.search import suggest
+    from megashard.config import yamlfile
+    from megashard.train.config import JobConfig
+
+    config = os.path.join(ROOT, "configs", "default.yaml")
+    job = JobConfig.from_yaml(config)
+    result = suggest(job, WORLD, memory)
+    layouts = result.ranked[:limit]
+    t0 = time.perf_counter()
+    timings = time_layouts(yamlfile.load_yaml(config), job.name, layouts, WORLD, steps=steps, rounds=rounds,
+                           log=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    measured = [(t.step_s, i) for i, t in enumerate(timings) if t.step_s is not None]
+    fastest_s, fastest_i = min(measured)
+    calibrated_s, calibrated_i = min((s, i) for s, i in measured if i < top)
+    order = sorted(measured)
+    model_rank = [i for _, i in order].index(0) + 1 if any(i == 0 for _, i in measured) else None
+    print(f"\n## calibration: configs/default.yaml on {WORLD} ranks, {memory} ({len(layouts)} of "
+          f"{len(result.ranked)} fitting layouts timed, {rounds} interleaved rounds × {steps} steps, medians after 2 "
+          f"warm-up steps; {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()})\n")
+    print("| measured # | model # | layout | ms/step (median) | samples |")
+    print("|---|---|---|---|---|")
+    for k, (sec, i) in enumerate(order, 1):
+        t = timings[i]
+        print(f"| {k} | {i + 1} | {t.layout} | {sec * 1e3:.1f} | {len(t.samples)} |")
+    gap = calibrated_s / fastest_s - 1
+    print(f"\ncalibrated #1 (fastest measured of the model's top {top}): {timings[calibrated_i].layout}, "
+          f"{calibrated_s * 1e3:.1f} ms; fastest of all {len(measured)}: {timings[fastest_i].layout}, "
+          f"{fastest_s * 1e3:.1f} ms: {gap:+.1%} (goal: within 5%). The model's own #1 is #{model_rank} measured.")
+    return {"memory": memory, "top": top, "timed": len(layouts), "fit": len(result.ranked),
+            "timings": [{"model_rank": i + 1, "layout": t.layout, "step_s": t.step_s, "samples": t.samples,
+                         "error": t.error} for i, t in enumerate(timings)],
+            "calibrated": timings[calibrated_i].layout, "calibrated_s": calibrated_s,
+            "fastest": timings[fastest_i].layout, "fastest_s": fastest_s, "gap": gap,
+            "model_first_measured_rank": model_rank}
+
+
+# ---------------------------------------------------------------------------------------------- speed
 def run_case(config: str, overrides: list[str], world: int, repeat: int) -> tuple[float, object]:
     from megashard.advisor.search import suggest
     from megashard.train.config import JobConfig
@@ -53,7 +216,7 @@ def baseline(config: str, overrides: list[str], world: int, result: object, n: i
     t = time.perf_counter()
     for c in layouts:
         argv = ["plan", os.path.join(ROOT, config), "-w", str(world), *overrides,
-                *[o for o in c.overrides() if o.startswith("parallel.")]]
+                *c.overrides()]  # the layout's sizes and the schedule its vpp needs
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(argv) == 0
     return (time.perf_counter() - t) / max(1, len(layouts))
@@ -61,12 +224,37 @@ def baseline(config: str, overrides: list[str], world: int, result: object, n: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="memory,calibration,speed", help="comma-separated parts to run")
+    ap.add_argument("--layouts", default=None, help="memory: comma-separated layout names (default: all)")
+    ap.add_argument("--calib-memory", default="4.2MiB", help="calibration: device memory of the small case")
+    ap.add_argument("--calibrate", type=int, default=4, help="calibration: the model's top K that --calibrate times")
+    ap.add_argument("--calib-steps", type=int, default=5)
+    ap.add_argument("--calib-rounds", type=int, default=2)
+    ap.add_argument("--calib-limit", type=int, default=40, help="calibration: time at most this many layouts")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=int, default=40, help="layouts planned one by one for the baseline")
     ap.add_argument("--quick", action="store_true", help="one repeat, 10 baseline layouts")
     args = ap.parse_args()
     if args.quick:
         args.repeat, args.baseline = 1, 10
+    parts = set(args.part.split(","))
+    report: dict = {"parts": sorted(parts), "loadavg_start": os.getloadavg()}
+    if "memory" in parts:
+        names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+        report["memory"] = memory_part(names)
+    if "calibration" in parts:
+        report["calibration"] = calibration_part(args.calib_memory, args.calibrate, args.calib_steps,
+                                                 args.calib_rounds, args.calib_limit)
+    if "speed" in parts:
+        report.update(speed_part(args))
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    report["loadavg_end"] = os.getloadavg()
+    with open(RESULTS, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {RESULTS}")
+
+
+def speed_part(args: argparse.Namespace) -> dict:
     rows = []
     for name, config, overrides, world in CASES:
         sec, result = run_case(config, overrides, world, args.repeat)
@@ -76,8 +264,9 @@ def main() -> None:
                      "refused": len(result.rejected), "seconds": sec, "us_per_layout": per * 1e6,
                      "seconds_per_1024": per * 1024, "baseline_us_per_layout": base * 1e6,
                      "speedup": base / per if per else None})
-    torch_loaded = "torch" in sys.modules
+    torch_loaded = "torch" in sys.modules and "memory" not in args.part and "calibration" not in args.part
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print("\n## speed: the advisor per layout against `megashard plan` per layout\n")
     print(f"| case | world | layouts | fit | refused | advisor s | µs/layout | s per 1,024 | `plan` µs/layout | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -85,10 +274,8 @@ def main() -> None:
               f"{r['seconds']:.3f} | {r['us_per_layout']:.0f} | {r['seconds_per_1024']:.3f} | "
               f"{r['baseline_us_per_layout']:.0f} | {r['speedup']:.1f}× |")
     print(f"\ntorch imported: {torch_loaded}; load average {load}; python {platform.python_version()}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump({"rows": rows, "torch_imported": torch_loaded, "loadavg": load, "repeat": args.repeat,
-                   "python": platform.python_version(), "machine": platform.machine()}, f, indent=1)
+    return {"speed": rows, "torch_imported": torch_loaded, "loadavg": load, "repeat": args.repeat,
+            "python": platform.python_version(), "machine": platform.machine()}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,7 @@
-"""``megashard plan --suggest``: the memory model against what real jobs allocate, validity, the report, errors.
+"""``megashard plan --suggest``: validity of every suggestion, the memory limit, the report, CLI errors.
 
-The accuracy check runs eight small jobs of the example model for two steps on four gloo ranks (dense data parallel,
-tp, FSDP, pipeline 1F1B, interleaved pipeline, recompute, MoE with ep, Llama with tp·cp in bf16), counting the bytes of
-live tensor storages with a TorchDispatchMode (tests/_live_bytes.py) for the whole run, and compares the largest
-rank's peak with :func:`megashard.advisor.memory.estimate_memory` (within 15%). Parameter counts and the activations
-one block saves are checked exactly in one process.
+The memory model against measured jobs: tests/test_advisor_memory.py; inputs: tests/test_advisor_inputs.py;
+calibration: tests/test_advisor_calibrate.py.
 """
 from __future__ import annotations
 
@@ -12,135 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from megashard.cli import main
-from tests._dist import spawn_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
-ENV = "MEGASHARD_ADVISOR_TEST_DIR"
-WORLD = 4
-BASE = ["train.steps=2", "checkpoint.interval=0", "checkpoint.save_final=false", "train.progress=false",
-        "train.plot=false", "train.resume=false", "model.dropout=0.0", "data.num_sequences=32",
-        "model.vocab_size=512", "model.hidden=128", "model.layers=4", "model.heads=4", "train.global_batch=8",
-        f"launch.nproc_per_node={WORLD}"]
-#: name -> overrides; every job runs on 4 ranks.
-JOBS = {
-    "dense dp_outer=4": ["parallel.tp=1", "parallel.dp_outer=4", "parallel.dp_shard=1"],
-    "tp=4": ["parallel.tp=4", "parallel.dp_shard=1"],
-    "fsdp dp_shard=4": ["parallel.tp=1", "parallel.dp_shard=4"],
-    "pp=2 1f1b mb=4": ["parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=2", "train.microbatches=4"],
-    "pp=2 vpp=2 interleaved": ["parallel.tp=1", "parallel.pp=2", "parallel.vpp=2", "parallel.dp_shard=2",
-                               "train.microbatches=4", "train.pipeline_schedule=interleaved_1f1b"],
-    "tp=2 recompute": ["parallel.tp=2", "parallel.dp_shard=2", "model.recompute=true"],
-    "moe ep=2 top2": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2", "model.num_experts=4",
-                      "model.moe_top_k=2", "model.ffn_hidden=256"],
-    "llama tp=2 cp=2 bf16": ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1", "model.arch=llama",
-                             "train.dtype=bfloat16"],
-}
-
-
-def _job(name: str):
-    from megashard.train.config import JobConfig
-
-    out = os.environ.get(ENV, tempfile.gettempdir())
-    return JobConfig.from_yaml(DEFAULT, BASE + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + JOBS[name])
-
-
-def check_measure_peaks(rank: int, world_size: int) -> None:
-    from megashard.train.loop import train
-    from tests._live_bytes import LiveBytes
-
-    peaks = {}
-    for name in JOBS:
-        with LiveBytes() as live:
-            train(_job(name))
-        peaks[name] = live.peak
-    with open(os.path.join(os.environ[ENV], f"peaks{rank}.json"), "w") as f:
-        json.dump(peaks, f)
-
-
-@pytest.fixture(scope="module")
-def measured():
-    with tempfile.TemporaryDirectory(prefix="megashard-advisor-") as tmp:
-        os.environ[ENV] = tmp
-        try:
-            res = spawn_checks([check_measure_peaks], WORLD, timeout=600)
-            res.assert_ok("check_measure_peaks")
-            per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
-        finally:
-            os.environ.pop(ENV, None)
-    return {name: max(p[name] for p in per_rank) for name in JOBS}
-
-
-def _predict(name: str):
-    from megashard.advisor.memory import estimate_memory
-    from megashard.advisor.shape import JobShape
-
-    job = _job(name)
-    sizes = job.parallel.resolve(WORLD)
-    return estimate_memory(JobShape.from_job(job), sizes, job.model.recompute, job.model.distribute_saved_activations)
-
-
-@pytest.mark.parametrize("name", list(JOBS))
-def test_predicted_peak_within_15_percent(measured, name):
-    est = _predict(name)
-    real = measured[name]
-    err = est.peak / real - 1
-    print(f"{name:<26} predicted {est.peak / 2**20:8.3f} MiB  measured {real / 2**20:8.3f} MiB  {err:+.1%}  ({est.phase})")
-    assert abs(err) <= 0.15, f"{name}: predicted {est.peak:,} B ({est.phase}), measured {real:,} B: {err:+.1%}"
-
-
-# ---------------------------------------------------------------------------------------------- exact parts
-@pytest.mark.parametrize("arch,tie,experts", [("gpt", False, 0), ("llama", True, 0), ("gpt", False, 4), ("llama", False, 4)])
-def test_parameter_count_is_the_models(arch, tie, experts):
-    import torch
-
-    from megashard.advisor.shape import JobShape, block_params, numel, root_params
-    from megashard.models.gpt.model import GPT
-    from megashard.train.sections import ModelConfig
-
-    cfg = ModelConfig(arch=arch, vocab_size=512, hidden=128, layers=4, heads=4, seq_len=64, tie_embeddings=tie,
-                      num_experts=experts, moe_top_k=2)
-    shape = JobShape(arch=arch, vocab=512, hidden=128, layers=4, heads=4, seq=64, tie=tie, num_experts=experts,
-                     ffn=512 if arch == "gpt" else 384)
-    moe = [i for i in range(4) if shape.is_moe(i)]
-    model = GPT(cfg, moe_layers=moe, device="meta")
-    real = sum(p.numel() for p in model.parameters())
-    dense = sum(numel(block_params(shape, 1, shape.is_moe(i))[0]) + numel(block_params(shape, 1, shape.is_moe(i))[1])
-                for i in range(4))
-    assert dense + numel(root_params(shape, 1, True, True)) == real
-    del torch
-
-
-@pytest.mark.parametrize("arch,dtype", [("gpt", "float32"), ("llama", "float32"), ("llama", "bfloat16")])
-def test_saved_activations_are_exact(arch, dtype):
-    """What one process's forward keeps for backward (4 blocks, head, loss) against block_activation + head."""
-    import torch
-
-    from megashard.advisor.memory import block_activation, head_activation
-    from megashard.advisor.shape import JobShape
-    from megashard.models.gpt.model import GPT
-    from megashard.train.sections import ModelConfig
-    from tests._live_bytes import LiveBytes
-
-    cfg = ModelConfig(arch=arch, vocab_size=512, hidden=128, layers=4, heads=4, seq_len=64)
-    model = GPT(cfg, dtype=getattr(torch, dtype))
-    x, y = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))
-    with LiveBytes() as live:
-        live.adopt(list(model.parameters()) + [x, y])
-        before = live.live
-        loss = model(x, y)
-        kept = live.live - before
-    shape = JobShape(arch=arch, vocab=512, hidden=128, layers=4, heads=4, seq=64, ffn=512 if arch == "gpt" else 384,
-                     dtype=dtype)
-    t = 2 * 64
-    predicted = 4 * block_activation(shape, t, 1, False) + head_activation(shape, t, 1)[0] + t * 8
-    assert abs(predicted / kept - 1) < 0.01, (predicted, kept)
-    del loss
 
 
 # ---------------------------------------------------------------------------------------------- validity

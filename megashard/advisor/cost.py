@@ -45,6 +45,18 @@ class Hardware:
     fp32_factor: float = 0.5
     """Flop rate of float32 / float64 jobs relative to bf16 (TF32 tensor cores: about half)."""
 
+    def __post_init__(self) -> None:
+        import math
+
+        from megashard.errors import ConfigError
+
+        for name in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us", "fp32_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or (
+                    name in ("mfu", "fp32_factor") and v > 1):
+                rule = "in (0, 1]" if name in ("mfu", "fp32_factor") else "a positive number"
+                raise ConfigError(f"Hardware.{name}={v!r}: must be {rule}")
+
     def flops(self, dtype: str) -> float:
         """Sustained flops per second for ``train.dtype``."""
         rate = self.tflops * 1e12 * self.mfu

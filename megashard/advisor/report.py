@@ -1,29 +1,13 @@
-"""The report of ``megashard plan --suggest``: the ranked layouts as a table or JSON, and ``80GiB``-style sizes."""
+"""The report of ``megashard plan --suggest``: the ranked layouts as a table or JSON (sizes: :mod:`.units`)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from megashard.advisor.cost import AXES
 from megashard.advisor.search import Candidate, Suggestion
-from megashard.errors import ConfigError
+from megashard.advisor.units import parse_bytes  # noqa: F401 - re-exported (its old home)
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 GIB = 1 << 30
-
-
-def parse_bytes(text: str, option: str = "--device-memory") -> int:
-    """``80GiB`` / ``80GB`` / ``81920MiB`` / ``85899345920`` → bytes; ConfigError naming ``option`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"{option} {text!r}: give a size such as 80GiB, 141GB or 81920MiB (units: B, KB, MB, GB, TB, "
-                          "KiB, MiB, GiB, TiB)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ConfigError(f"{option} {text!r}: must be more than 0 bytes")
-    return value
 
 
 def _gib(n: int) -> str:
@@ -47,7 +31,9 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
                          "largest_moe_shard": m.largest_moe_shard}
     if c.cost is not None:
         k = c.cost
-        out["step"] = {"seconds": k.seconds, "compute_s": k.compute_s, "bubble": k.bubble,
+        out["step"] = {"seconds": k.seconds, "measured_seconds": c.measured_s,
+                       "source": "measured" if c.measured_s is not None else "modelled",
+                       "compute_s": k.compute_s, "bubble": k.bubble,
                        "tokens_per_s": k.tokens_per_s, "comm_s": k.comm_s, "bytes_by_axis": k.bytes_by_axis,
                        "in_node": k.in_node}
     return out
@@ -61,7 +47,11 @@ def suggestion_dict(r: Suggestion, top: int, source: str = "") -> dict[str, Any]
         "ranks_per_node": r.ranks_per_node,
         "hardware": {k: getattr(hw, k) for k in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us",
                                                  "fp32_factor")},
+        "moe_imbalance": r.moe_imbalance,
         "considered": r.considered, "fit": len(r.ranked), "too_large": len(r.too_big), "refused": len(r.rejected),
+        "measured": sum(c.measured_s is not None for c in r.ranked),
+        "ranked_by": ("measured step time, then the model" if any(c.measured_s is not None for c in r.ranked)
+                      else "modelled step time"),
         "top": [candidate_dict(c) for c in r.ranked[:top]],
         "too_large_layouts": [{"layout": c.label(), "reason": too_big_reason(c, r.device_memory)} for c in r.too_big],
         "refused_layouts": [{"layout": c.label(), "reason": why} for c, why in r.rejected],
@@ -83,24 +73,37 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
     out = [f"megashard plan --suggest{': ' + source if source else ''} — {r.world_size} rank{'s' if r.world_size != 1 else ''}, "
            f"{_gib(r.device_memory)} GiB per device, {r.ranks_per_node} ranks per node",
            f"assumed: {hw.tflops:g} TFLOP/s × {hw.mfu:g} MFU (fp32 × {hw.fp32_factor:g}), {hw.intra_gbps:g} GB/s in a "
-           f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)",
+           f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)"
+           + (f"; MoE memory: the busiest ep rank gets at most {r.moe_imbalance:g}× its even share of routed tokens "
+              "(--moe-imbalance)" if r.moe_imbalance else ""),
            f"considered {r.considered:,} layouts: {len(r.ranked):,} fit, {len(r.too_big):,} too large, "
-           f"{len(r.rejected):,} refused by the job's rules", ""]
+           f"{len(r.rejected):,} refused by the job's rules"]
+    timed = [c for c in r.ranked if c.measured_s is not None]
+    failed = [c for c in r.ranked if c.measure_error]
+    if timed or failed:
+        out.append(f"ranked by step time measured on this machine for {len(timed)} layout(s) (meas_ms), fastest "
+                   f"first; the other {len(r.ranked) - len(timed):,} by the model (step_ms, not calibrated)"
+                   + (f"; {len(failed)} calibration run(s) failed (listed below)" if failed else ""))
+    else:
+        out.append("ranked by the modelled step time (step_ms; not calibrated: --calibrate times the top layouts)")
+    out.append("")
     if r.ranked:
-        head = ("#", "tp", "cp", "pp", "vpp", "dp_out", "dp_shd", "ep", "etp", "recomp", "mb", "step_ms", "tok/s",
-                "peak_GiB", *(f"{a}_GB" for a in AXES))
+        head = ("#", "tp", "cp", "pp", "vpp", "dp_out", "dp_shd", "ep", "etp", "recomp", "mb", "meas_ms", "step_ms",
+                "tok/s", "peak_GiB", *(f"{a}_GB" for a in AXES))
         rows = [head]
         for i, c in enumerate(r.ranked[:top], 1):
             s, k, m = c.sizes, c.cost, c.memory
             assert k is not None and m is not None
             rows.append((str(i), str(s["tp"]), str(s["cp"]), str(s["pp"]), str(s["vpp"] or "-"), str(s["dp_outer"]),
                          str(s["dp_shard"]), str(s["ep"]), str(s["expt_tp"]), "on" if c.recompute else "off",
-                         str(c.microbatches), f"{k.seconds * 1e3:.1f}", f"{k.tokens_per_s:,.0f}", _gib(m.peak),
+                         str(c.microbatches), f"{c.measured_s * 1e3:.1f}" if c.measured_s is not None else "-",
+                         f"{k.seconds * 1e3:.1f}", f"{k.tokens_per_s:,.0f}", _gib(m.peak),
                          *(_gb(k.bytes_by_axis[a]) + ("" if k.in_node[a] or not k.bytes_by_axis[a] else "*")
                            for a in AXES)))
         widths = [max(len(row[j]) for row in rows) for j in range(len(head))]
         out += ["  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-        out.append("  (GB sent per rank and step on each axis; * = crosses nodes)")
+        out.append("  (meas_ms: measured on this machine; step_ms, tok/s, peak_GiB, GB: modelled; GB sent per rank and "
+                   "step on each axis; * = crosses nodes)")
         best = r.ranked[0]
         m = best.memory
         assert m is not None
@@ -110,6 +113,9 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
                 f"#1 as overrides: {' '.join(best.overrides())}"]
     else:
         out.append("no valid layout fits: see below")
+    if failed:
+        out += ["", "calibration runs that failed (ranked by the model):"]
+        out += [f"  {c.label()}: {c.measure_error}" for c in failed]
     if r.too_big:
         out += ["", f"too large ({len(r.too_big):,}, smallest first):"]
         out += [f"  {c.label()}: {too_big_reason(c, r.device_memory)}" for c in r.too_big[:shown_rejections]]

@@ -23,6 +23,10 @@ from megashard.advisor.memory import MemoryEstimate, estimate_memory
 from megashard.advisor.shape import JobShape
 from megashard.models.config import default_ffn_hidden
 from megashard.errors import ConfigError
+from megashard.advisor.units import check_count, parse_bytes
+
+#: Why a world size has an upper bound (the CLI and the API say it alike).
+WORLD_NOTE = " (the advisor enumerates layouts of up to 65,536 ranks)"
 
 
 @dataclass
@@ -37,6 +41,10 @@ class Candidate:
     resolved: Any = None
     memory: Optional[MemoryEstimate] = None
     cost: Optional[StepCost] = None
+    measured_s: Optional[float] = None
+    """Seconds per step measured on this machine (``--calibrate`` / ``--calibration``; None: only modelled)."""
+    measure_error: Optional[str] = None
+    """Why its calibration run failed."""
 
     def label(self) -> str:
         """``tp=2 cp=1 pp=4 vpp=2 dp_outer=1 dp_shard=8 ep=1 expt_tp=1 recompute=off mb=8``."""
@@ -77,6 +85,8 @@ class Suggestion:
     rejected: list[tuple[Candidate, str]] = field(default_factory=list)
     """Layouts the config's rules refuse, with the rule's one-line message."""
     considered: int = 0
+    moe_imbalance: Optional[float] = None
+    """The routing-imbalance bound MoE memory assumed (None: the job has no experts)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -188,15 +198,25 @@ class _Validator:
         return self._files_checked[tp]
 
 
-def suggest(job: Any, world_size: int, device_memory: int, ranks_per_node: int = 8,
+def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node: int = 8,
             hardware: Optional[Hardware] = None, shape: Optional[JobShape] = None) -> Suggestion:
     """Every candidate layout of ``job`` for ``world_size`` ranks, validated, sized and timed (see the module
-    docstring). ``device_memory``: bytes per device a rank may use. ``shape``: the job's numbers (default: read from
-    ``job``)."""
+    docstring). ``device_memory``: bytes per device a rank may use (an int of bytes, at least 1 MiB, or text with a
+    unit such as ``"80GiB"``: :func:`megashard.advisor.units.parse_bytes`). ``shape``: the job's numbers (default:
+    read from ``job``). Bad arguments are a one-line :class:`~megashard.errors.ConfigError`, as on the CLI."""
+    check_count("world_size", world_size, 1, 1 << 16, note=WORLD_NOTE)
+    device_memory = parse_bytes(device_memory, "device_memory")
+    check_count("ranks_per_node", ranks_per_node, 1)
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise ConfigError(f"hardware={hardware!r}: must be a megashard.advisor.cost.Hardware (or None for the defaults)")
+    if not hasattr(job, "train") or not hasattr(job, "model"):
+        raise ConfigError(f"job={type(job).__name__}: must be a megashard.train.config.JobConfig "
+                          "(JobConfig.from_yaml(path) or JobConfig.from_dict(doc))")
     hw = hardware or Hardware()
     shape = shape or JobShape.from_job(job)
     v = _Validator(job, world_size)
-    out = Suggestion(world_size, device_memory, ranks_per_node, hw)
+    out = Suggestion(world_size, device_memory, ranks_per_node, hw,
+                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None)
     for c in candidates(shape, world_size, ranks_per_node, job.train.pipeline_schedule):
         out.considered += 1
         try:

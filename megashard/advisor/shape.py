@@ -38,6 +38,11 @@ class JobShape:
     reshard_between_microbatches: bool = False
     synthetic_sequences: int = 0
     """Sequences of synthetic data every rank holds in memory (int64; 0 for memory-mapped data)."""
+    moe_imbalance: float = 1.1
+    """The routing-imbalance bound of MoE memory: the busiest ep rank's experts receive at most this multiple of
+    the even share of routed (token, expert) pairs (1: perfectly balanced; the worst case is
+    ``ep · min(top_k, experts/ep) / top_k``, every token of the ep group sending to one rank). An upper bound only for
+    routings within it: a load-balancing loss (``model.moe_aux_loss_coeff``) keeps a trained router there."""
 
     @classmethod
     def from_job(cls, job: Any) -> "JobShape":

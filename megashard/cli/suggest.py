@@ -32,10 +32,23 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
         "job is the defaults plus key=value overrides such as model.hidden=2048")
     g.add_argument("--suggest", action="store_true", help="suggest layouts instead of showing one")
     g.add_argument("--device-memory", metavar="SIZE", default=None,
-                   help="memory a rank may use on its device, e.g. 80GiB, 141GB (required with --suggest)")
+                   help="memory a rank may use on its device, e.g. 80GiB, 141GB (required with --suggest); a number "
+                        "without a unit is bytes, below 1 MiB refused")
     g.add_argument("--top", type=int, default=10, metavar="K", help="layouts shown (default 10)")
     for flag, dest, kind, help_ in _HW_FLAGS:
         g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
+    g.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
+                   help="MoE memory: the busiest ep rank gets at most X times the even share of routed tokens "
+                        "(default 1.1; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
+    g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
+                   help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
+                        "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
+    g.add_argument("--calibration", metavar="FILE", default=None,
+                   help="with --calibrate: write the timings to FILE; alone: rank by the timings FILE holds")
+    g.add_argument("--calibrate-steps", type=int, default=5, metavar="N",
+                   help="steps of each calibration run; the first 2 are warm-up (default 5)")
+    g.add_argument("--calibrate-rounds", type=int, default=2, metavar="R",
+                   help="runs of each layout, interleaved; its time is the median step over all (default 2)")
 
 
 def check_not_suggest(args: argparse.Namespace) -> None:
@@ -43,6 +56,12 @@ def check_not_suggest(args: argparse.Namespace) -> None:
     used = [f for f, d, _, _ in _HW_FLAGS if getattr(args, f"hw_{d}", None) is not None]
     if args.device_memory is not None:
         used.insert(0, "--device-memory")
+    if getattr(args, "moe_imbalance", None) is not None:
+        used.append("--moe-imbalance")
+    if getattr(args, "calibrate", None) is not None:
+        used.append("--calibrate")
+    if getattr(args, "calibration", None) is not None:
+        used.append("--calibration")
     if used:
         raise ConfigError(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --suggest (the layout advisor); add --suggest or drop them")
 
@@ -66,8 +85,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     """``megashard plan --suggest``."""
     import os
 
-    from megashard.advisor.report import format_suggestion, parse_bytes, suggestion_dict
-    from megashard.advisor.search import suggest
+    from megashard.advisor.report import format_suggestion, suggestion_dict
+    from megashard.advisor.units import check_count, parse_bytes
+    from megashard.advisor.search import WORLD_NOTE, suggest
     from megashard.cli.options import check_int, check_output_path, flags_text, size_flags, write_svg
     from megashard.config import yamlfile
 
@@ -81,16 +101,16 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} describes one layout's groups; it does not apply with --suggest")
     if args.device_memory is None:
         raise ConfigError("--suggest needs --device-memory SIZE, the memory a rank may use (e.g. 80GiB for an H100)")
-    memory = parse_bytes(args.device_memory)
+    memory = parse_bytes(args.device_memory, "--device-memory")
     if args.world_size is None:
         raise ConfigError("--suggest needs --world-size N (the number of ranks to lay out)")
-    check_int("--world-size", args.world_size, 1, 1 << 16, note=" (the advisor enumerates layouts of up to 65,536 "
-              "ranks)")
+    check_count("--world-size", args.world_size, 1, 1 << 16, note=WORLD_NOTE)
     check_int("--ranks-per-node", args.ranks_per_node, 1)
     check_int("--top", args.top, 1)
     check_int("--svg-max-ranks", args.svg_max_ranks, 1)
     if args.svg:
         check_output_path("--svg", args.svg)
+    _check_calibration_flags(args)
     hw = _hardware(args)
     if args.config is not None and "=" in args.config and not os.path.exists(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None  # `plan --suggest model.hidden=2048`
@@ -108,8 +128,21 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         doc = yamlfile.apply_overrides(doc, list(args.overrides))
         job = JobConfig.from_dict(doc, name=os.path.splitext(os.path.basename(args.config))[0])
         job.validate_sections()
-    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw)
+    shape = None
+    if args.moe_imbalance is not None:
+        import dataclasses
+        import math
+
+        from megashard.advisor.shape import JobShape
+
+        if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
+            raise ConfigError(f"--moe-imbalance {args.moe_imbalance}: must be a number >= 1 (1 = perfectly balanced "
+                              "routing)")
+        shape = dataclasses.replace(JobShape.from_job(job), moe_imbalance=args.moe_imbalance)
+    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw, shape=shape)
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
+    if args.calibrate is not None or args.calibration is not None:
+        _calibrate(args, doc, job, result, source)
     if args.format == "json":
         import json
 
@@ -130,3 +163,56 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         if not write_svg(args.svg, svg, f" (layout #1: {best.label()})"):
             return 1
     return 0 if result.ranked else 1
+
+
+def _check_calibration_flags(args: argparse.Namespace) -> None:
+    """The calibration flags, before anything runs: counts in range, one node, a FILE that can be written (or is one
+    of megashard's calibration files)."""
+    import os
+
+    from megashard.advisor.units import check_count
+
+    if args.calibrate is None:
+        for flag, value, default in (("--calibrate-steps", args.calibrate_steps, 5),
+                                     ("--calibrate-rounds", args.calibrate_rounds, 2)):
+            if value != default:
+                raise ConfigError(f"{flag} only applies with --calibrate")
+        return
+    check_count("--calibrate", args.calibrate, 1, 64, note=" (layouts to time)")
+    check_count("--calibrate-steps", args.calibrate_steps, 3, 1000, note=" (the first 2 are warm-up)")
+    check_count("--calibrate-rounds", args.calibrate_rounds, 1, 100)
+    if args.world_size > args.ranks_per_node:
+        raise ConfigError(f"--calibrate times the layouts on this machine, as one node: --world-size {args.world_size} "
+                          f"is more than --ranks-per-node {args.ranks_per_node}; calibrate a world of one node, or "
+                          "drop --calibrate")
+    if args.calibration is not None:
+        if os.path.exists(args.calibration):
+            from megashard.advisor.calibrate import _read
+
+            _read(args.calibration, "--calibration")  # only a calibration file of ours is replaced
+        else:
+            from megashard.outputs import check_output_file
+
+            check_output_file("--calibration", args.calibration, example="calibration.json")
+
+
+def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source: str) -> None:
+    """Time the top layouts (``--calibrate``) or read their times (``--calibration FILE``) and rank by them."""
+    from megashard.advisor.calibrate import apply_timings, load_calibration, save_calibration, time_layouts
+    from megashard.advisor.shape import JobShape
+
+    shape = JobShape.from_job(job)
+    if args.calibrate is None:
+        timings = load_calibration(args.calibration, shape, args.world_size)
+    else:
+        top = result.ranked[:args.calibrate]
+        print(f"megashard plan: calibrating: {len(top)} layout(s) × {args.calibrate_rounds} round(s) of "
+              f"{args.calibrate_steps} steps on this machine", file=sys.stderr, flush=True)
+        timings = time_layouts(doc, job.name, top, args.world_size, steps=args.calibrate_steps,
+                               rounds=args.calibrate_rounds,
+                               log=lambda line: print(f"megashard plan: {line}", file=sys.stderr, flush=True))
+        if args.calibration is not None:
+            save_calibration(args.calibration, timings, shape, args.world_size, source, args.calibrate_steps,
+                             args.calibrate_rounds, job.parallel.device)
+            print(f"megashard plan: wrote {args.calibration} (timings of {len(timings)} layout(s))", file=sys.stderr)
+    apply_timings(result, timings)

@@ -87,6 +87,13 @@ class Pipeline:
             self.schedule = cls(self.stages, self.microbatches, loss_fn=loss_fn, scale_grads=True)
         else:
             self.schedule = cls(self.stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=True)
+        # The job reads the losses, never the last stage's outputs: without ``return_outputs=False`` the schedule keeps
+        # every microbatch's logits (``stage.output_chunks``) until the step ends. A public keyword of every
+        # schedule's ``step`` in torch 2.11-2.15; looked up, so a torch without it still runs (keeping them).
+        import inspect
+
+        self._step_kwargs = ({"return_outputs": False}
+                             if "return_outputs" in inspect.signature(self.schedule.step).parameters else {})
         self.tied = [p for n, p in model.named_parameters() if n == "embed.weight"] if job.model.tie_embeddings else []
         self.embd = embedding_group(state) if self.tied else None
         self._probed = False
@@ -132,12 +139,13 @@ class Pipeline:
         self._probed = True
 
     # ------------------------------------------------------------------ steps
-    def _run(self, fn: Any, x: torch.Tensor, y: torch.Tensor, step: Optional[int], what: str) -> torch.Tensor:
+    def _run(self, fn: Any, x: torch.Tensor, y: torch.Tensor, step: Optional[int], what: str,
+             **kwargs: Any) -> torch.Tensor:
         self.probe()
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         try:
-            fn(*args, target=y if self.has_last else None, losses=losses if self.has_last else None)
+            fn(*args, target=y if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001 - a torch/gloo error becomes one line naming the stage
@@ -149,7 +157,7 @@ class Pipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor, step: Optional[int] = None) -> torch.Tensor:
         """Forward and backward of this rank's batch ``x, y [B/dp, s/cp]``; returns this dp rank's mean loss on
         every pp rank (a float64 scalar). Gradients of tied embedding copies are summed over ``embd``."""
-        loss = self._run(self.schedule.step, x, y, step, "step")
+        loss = self._run(self.schedule.step, x, y, step, "step", **self._step_kwargs)
         self.sync_tied_grads()
         return self._share_loss(loss)
 

@@ -1,0 +1,197 @@
+"""Measured step times: ``megashard plan --suggest --calibrate`` runs the top layouts on this machine and ranks by them.
+
+    timings = time_layouts(doc, "job", result.ranked[:4], world_size=4)    # real `megashard run`s, interleaved
+    apply_timings(result, timings)          # measured layouts first, fastest measured first; the rest as modelled
+    save_calibration(path, timings, ...); load_calibration(path, shape, world_size)
+
+The roofline of :mod:`megashard.advisor.cost` only ranks; it is not calibrated. Here each candidate runs as the job
+runs — ``megashard run`` (torchrun, this machine, ``world_size`` processes on one node) of the job's config with the
+candidate's overrides, a few steps, no checkpoints — and its ``metrics.jsonl`` gives the seconds of every step.
+The first ``warmup`` steps are dropped (start-up, the optimizer's lazy state). Runs are interleaved over
+``rounds`` rounds (round r starts at candidate r), so that a load that comes and goes on a shared machine falls on
+every candidate alike, and each candidate's time is the median of its steps over all rounds.
+
+A calibration file (JSON, ``kind: megashard-advisor-calibration``) keeps the timings with what they were measured
+for (the job's numbers, the world size, the machine), so that a later ``--calibration FILE`` ranks without running
+anything; a file measured for another job or world is refused, naming what differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from megashard.errors import ConfigError
+
+KIND = "megashard-advisor-calibration"
+VERSION = 1
+
+
+@dataclass
+class Timing:
+    """Measured seconds per step of one layout (``layout``: :meth:`Candidate.label`)."""
+
+    layout: str
+    overrides: list[str]
+    step_s: Optional[float] = None
+    """Median seconds per step after the warm-up, over every round (None when no run finished)."""
+    samples: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+    """The last line of a failed run's error output."""
+
+
+def _run_once(yaml_path: str, overrides: list[str], world_size: int, steps: int, out_dir: str,
+              timeout: float) -> tuple[list[float], Optional[str]]:
+    """One ``megashard run`` of the job with ``overrides``: the seconds of each step (metrics.jsonl), or an error."""
+    cmd = [sys.executable, "-m", "megashard", "run", yaml_path, *overrides, f"train.steps={steps}",
+           f"train.out_dir={out_dir}", "checkpoint.interval=0", "checkpoint.save_final=false", "train.progress=false",
+           "train.plot=false", "train.resume=false", "train.eval_interval=0", f"launch.nproc_per_node={world_size}",
+           "launch.nnodes=1", "launch.max_restarts=0"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], f"did not finish within {timeout:g} s"
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if p.returncode != 0 or not os.path.exists(path):
+        lines = [ln for ln in (p.stderr or p.stdout or "").strip().splitlines() if ln.strip()]
+        return [], (lines[-1] if lines else f"exit code {p.returncode}")
+    times = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if "step_time_s" in rec:
+                times.append(float(rec["step_time_s"]))
+    return times, None
+
+
+def time_layouts(doc: dict[str, Any], name: str, candidates: list[Any], world_size: int, *, steps: int = 5,
+                 warmup: int = 2, rounds: int = 2, timeout: float = 600.0,
+                 log: Optional[Callable[[str], None]] = None) -> list[Timing]:
+    """Run every candidate ``rounds`` times (interleaved) for ``steps`` steps; the median step time after ``warmup``.
+
+    ``doc``: the job as a YAML mapping (its config with the user's overrides applied); ``name``: the job's name (the
+    file the runs read is ``<name>.yaml`` in a temporary directory that is removed afterwards).
+    """
+    import yaml
+
+    if steps <= warmup:
+        raise ConfigError(f"--calibrate-steps {steps}: must be more than the {warmup} warm-up steps it drops")
+    timings = [Timing(c.label(), c.overrides()) for c in candidates]
+    tmp = tempfile.mkdtemp(prefix="megashard-calibrate-")
+    try:
+        yaml_path = os.path.join(tmp, f"{name}.yaml")
+        with open(yaml_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(doc, f, sort_keys=False)
+        n = len(timings)
+        for r in range(rounds):
+            for k in range(n):
+                i = (r + k) % n  # round r starts at candidate r: drift of the machine's load spreads over all
+                t = timings[i]
+                if t.error and not t.samples:
+                    continue  # it failed before: do not wait for it again
+                out = os.path.join(tmp, f"run{i}-{r}")
+                times, err = _run_once(yaml_path, t.overrides, world_size, steps, out, timeout)
+                shutil.rmtree(out, ignore_errors=True)
+                if err:
+                    t.error = err
+                else:
+                    t.samples += times[warmup:]
+                if log is not None:
+                    what = f"{statistics.median(times[warmup:]) * 1e3:.1f} ms/step" if not err else f"failed: {err}"
+                    log(f"calibrate: round {r + 1}/{rounds}, {t.layout}: {what}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for t in timings:
+        t.step_s = statistics.median(t.samples) if t.samples else None
+    return timings
+
+
+def apply_timings(result: Any, timings: list[Timing]) -> int:
+    """Put measured step times on ``result``'s candidates (``measured_s``) and rank: measured layouts first, fastest
+    measured first; then the others in the model's order. Returns how many candidates got a measured time."""
+    by_label = {t.layout: t for t in timings}
+    hit = 0
+    for c in result.ranked + result.too_big:
+        t = by_label.get(c.label())
+        c.measured_s = t.step_s if t is not None else None
+        c.measure_error = t.error if t is not None and t.step_s is None else None
+        hit += c.measured_s is not None
+    order = {id(c): i for i, c in enumerate(result.ranked)}
+    result.ranked.sort(key=lambda c: (c.measured_s is None, c.measured_s if c.measured_s is not None else 0.0,
+                                      order[id(c)]))
+    return hit
+
+
+# ---------------------------------------------------------------------------------------------- the file
+def fingerprint(shape: Any) -> dict[str, Any]:
+    """What a calibration is valid for: every number of the job's :class:`JobShape` except those a layout sets."""
+    d = dataclasses.asdict(shape)
+    d.pop("microbatches", None)
+    d.pop("schedule", None)
+    return d
+
+
+def save_calibration(path: str, timings: list[Timing], shape: Any, world_size: int, source: str, steps: int,
+                     rounds: int, device: str) -> None:
+    """Write the timings as a calibration file; an existing file is replaced only when it is a calibration file (one
+    megashard wrote), never a file of the user's."""
+    if os.path.exists(path):
+        _read(path, "--calibration")  # refuses a file that is not one of ours
+    doc = {"kind": KIND, "version": VERSION, "source": source, "world_size": world_size, "shape": fingerprint(shape),
+           "machine": {"node": platform.node(), "cpus": os.cpu_count(), "device": device,
+                       "python": platform.python_version()},
+           "steps": steps, "rounds": rounds, "timings": [dataclasses.asdict(t) for t in timings]}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _read(path: str, option: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file (write one with --calibrate --calibration {path})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{option} {path}: not a calibration file megashard wrote ({type(e).__name__}); "
+                          "megashard does not overwrite or read it") from None
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ConfigError(f"{option} {path}: not a calibration file megashard wrote (no kind: {KIND}); megashard does "
+                          "not overwrite or read it")
+    if doc.get("version") != VERSION or not isinstance(doc.get("timings"), list):
+        raise ConfigError(f"{option} {path}: calibration file version {doc.get('version')!r} (this megashard reads "
+                          f"version {VERSION}); calibrate again")
+    return doc
+
+
+def load_calibration(path: str, shape: Any, world_size: int) -> list[Timing]:
+    """The timings of a calibration file measured for this job (``shape``) and ``world_size``; ConfigError naming
+    what differs otherwise."""
+    doc = _read(path, "--calibration")
+    if doc.get("world_size") != world_size:
+        raise ConfigError(f"--calibration {path}: measured for {doc.get('world_size')} ranks, not --world-size "
+                          f"{world_size}; calibrate this world (--calibrate)")
+    want, got = fingerprint(shape), doc.get("shape") or {}
+    diff = [f"{k}={got.get(k)!r} (this job: {v!r})" for k, v in want.items() if got.get(k) != v]
+    if diff:
+        raise ConfigError(f"--calibration {path}: measured for another job: {', '.join(diff[:4])}; calibrate this "
+                          "job (--calibrate)")
+    out = []
+    for i, t in enumerate(doc["timings"]):
+        if not isinstance(t, dict) or not isinstance(t.get("layout"), str):
+            raise ConfigError(f"--calibration {path}: timings[{i}] has no layout; calibrate again")
+        step = t.get("step_s")
+        if step is not None and (not isinstance(step, (int, float)) or not step > 0):
+            raise ConfigError(f"--calibration {path}: timings[{i}].step_s={step!r} is not a positive number")
+        out.append(Timing(t["layout"], list(t.get("overrides") or []), step, list(t.get("samples") or []),
+                          t.get("error")))
+    return out
