@@ -28,11 +28,48 @@ from typing import IO, Any, Iterable, Optional
 
 from megashard.doctor import intercept
 from megashard.doctor.diagnose import diagnose
-from megashard.doctor.ledger import Call, Ledger
+from megashard.doctor.ledger import Call, Ledger, parse_entry, with_entry
+from megashard.doctor.waitfor import find_cycle
 
 __all__ = ["Doctor", "default_interval"]
 
 STORE_PREFIX = "megashard_doctor"
+ENTRY_GAP_S = 0.05
+"""On a store other than a TCPStore (a FileStore appends every write to its file), the entry of a call is published
+at most once per this many seconds."""
+
+
+def _is_tcp(store: Any) -> bool:
+    import torch.distributed as dist
+
+    for _ in range(8):  # PrefixStore(PrefixStore(TCPStore)) ...
+        if isinstance(store, dist.TCPStore):
+            return True
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return False
+    return False
+
+
+def run_identity(store: Any) -> dict[str, Any]:
+    """What ties this rank's records to its run: ``run`` — one id for every rank of this launch attempt, agreed
+    through the store without a collective (the first rank to ask sets it) —, ``launch`` (``MEGASHARD_RUN_ID`` of
+    ``megashard run``, else torchrun's run id, else None), ``attempt`` (torchrun's restart count) and ``started``
+    (when this rank's doctor started, seconds since the epoch)."""
+    import uuid
+
+    launch = os.environ.get("MEGASHARD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+    if launch == "none":  # torchrun's default --rdzv-id: the same for every launch
+        launch = None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = int(restart) if restart.isdigit() else 0
+    mine = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    try:
+        run = store.compare_set("run", "", mine)
+        run = run.decode("utf-8", "replace") if isinstance(run, bytes) else str(run)
+    except Exception:  # noqa: BLE001 - a store without compare_set: the launch's id, if any
+        run = f"{launch}/{attempt}" if launch else mine
+    return {"run": run, "launch": launch, "attempt": attempt, "started": time.time()}
 
 
 def default_interval(timeout: float) -> float:
@@ -81,11 +118,20 @@ class Doctor:
             from megashard._compat import default_store
 
             store = default_store()
+        base = store
         try:
-            store = store.clone()  # its own connection: never behind the main thread's store requests
+            store = base.clone()  # its own connection: never behind the main thread's store requests
+            entry_store = base.clone()  # the main thread's, for the entry of each call
         except Exception:  # noqa: BLE001 - a store without clone (FakeStore, older torch): share the connection
-            pass
+            entry_store = store
         self.store = dist.PrefixStore(STORE_PREFIX, store)
+        self._entry_store: Any = dist.PrefixStore(STORE_PREFIX, entry_store)
+        self._entry_key = f"at/{self.ledger.rank}"
+        # A TCPStore's set is one message without an answer (a few µs): every call's entry is published. Other stores
+        # pay more per set and a FileStore's file grows with each: there at most one entry per ENTRY_GAP_S.
+        self._entry_gap = 0.0 if _is_tcp(base) else ENTRY_GAP_S
+        self._entry_next = 0.0
+        self.ledger.identity = run_identity(self.store)
         self.findings: list[dict[str, Any]] = []
         self.beat = 0
         self.state = "running"
@@ -97,12 +143,30 @@ class Doctor:
 
     # ------------------------------------------------------------------ set-up
     def register(self, pg: Any, name: str, ranks: Optional[Iterable[int]] = None) -> None:
-        """Watch the collectives on ``pg`` (``ranks``: its global ranks, default asked from torch)."""
+        """Watch the collectives on ``pg`` (``ranks``: its global ranks, default asked from torch). Every rank may
+        call it: on a rank that is not a member (``new_group`` gave it ``GroupMember.NON_GROUP_MEMBER``, or ``ranks``
+        leaves it out) there is nothing to watch, since that rank makes no call on the group."""
         import torch.distributed as dist
 
+        from megashard.errors import ConfigError
+
+        if not isinstance(name, str) or not name.strip() or "|" in name:
+            raise ConfigError(f"doctor.register(name={name!r}): the group's name must be a non-empty string without "
+                              "'|' (it names the group in the doctor's lines, e.g. 'mine')")
+        if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        if not isinstance(pg, dist.ProcessGroup):
+            raise ConfigError(f"doctor.register(pg={pg!r:.80}): a torch.distributed.ProcessGroup is expected (what "
+                              "torch.distributed.new_group returns)")
         if ranks is None:
             ranks = dist.get_process_group_ranks(pg)
-        ranks = list(ranks)
+        try:
+            ranks = [int(r) for r in ranks]
+        except (TypeError, ValueError):
+            raise ConfigError(f"doctor.register(ranks={ranks!r:.80}): the group's global ranks (integers) are "
+                              "expected") from None
+        if self.ledger.rank not in ranks:
+            return
         if len(ranks) > 1:
             self.ledger.register(pg, name, ranks, cuda="nccl" in str(dist.get_backend(pg)))
 
@@ -124,6 +188,7 @@ class Doctor:
     def start(self) -> "Doctor":
         intercept.install(self)
         self._publish()
+        self.write("start")  # this rank of this run started: a rank killed later leaves at least this
         self._thread = threading.Thread(target=self._run, name="megashard-doctor", daemon=True)
         self._thread.start()
         return self
@@ -146,6 +211,22 @@ class Doctor:
         self._publish()
         self.write(reason)
         self.ledger.forget_groups()
+
+    def entered(self, call: Call) -> None:
+        """Publish the call this rank starts (the main thread, before torch runs it): a rank that dies inside a call
+        is seen inside it, even within a publication interval of entering it."""
+        store = self._entry_store
+        if store is None:
+            return
+        if self._entry_gap:
+            now = time.monotonic()
+            if now < self._entry_next:
+                return
+            self._entry_next = now + self._entry_gap
+        try:
+            store.set(self._entry_key, self.ledger.entry_line(call))
+        except Exception:  # noqa: BLE001 - the store's host went away: the background thread goes on alone
+            self._entry_store = None
 
     # ------------------------------------------------------------------ the background thread
     def _run(self) -> None:
@@ -179,14 +260,27 @@ class Doctor:
             pass
 
     def _read(self, ranks: Iterable[int]) -> dict[int, Optional[dict]]:
+        """The peers' records, each merged with the call it published on entry when that is newer
+        (:func:`~megashard.doctor.ledger.with_entry`); None for a rank without one (or with another run's)."""
         out: dict[int, Optional[dict]] = {}
+        run = self.ledger.identity.get("run")
         for r in ranks:
-            key = f"rec/{r}"
+            rec = self._get(f"rec/{r}")
             try:
-                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001 - unreachable store (its host died): unknown
+                rec = json.loads(rec) if rec is not None else None
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict) or (run and rec.get("run") not in (None, run)):
                 out[r] = None
+                continue
+            out[r] = with_entry(rec, parse_entry(self._get(f"at/{r}")))
         return out
+
+    def _get(self, key: str) -> Optional[bytes]:
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - unreachable store (its host died): unknown
+            return None
 
     def _peers_of(self, call: Call) -> list[int]:
         if call.p2p:
@@ -214,24 +308,31 @@ class Doctor:
             waited = time.monotonic() - call.t0
             self._publish()  # peers diagnosing now see this call open
             self.write("hang")  # first what this rank knows (the process may be stopped while it waits for peers)
-            records, alive = self._examine(self._peers_of(call), self._snap.get(call.cid))
-            finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited)
+            records, alive, gone = self._examine(self._peers_of(call), self._snap.get(call.cid))
+            cycle = []
+            if any(r.get("open") for r in records.values() if r is not None):  # a peer waits elsewhere: a cycle?
+                mine = dict(self.ledger.record(self.beat), open=[dict(call.summary(), ranks=list(call.track.ranks))])
+                cycle = find_cycle(self.ledger.rank, {**records, self.ledger.rank: mine}, fetch=self._read)
+            finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited, gone,
+                               deadlock=cycle)
             self.findings.append(finding)
             self._say(finding["line"])
             self.write("hang")
             return finding
 
-    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict]:
+    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict, set]:
         """The peers' records, fresh, and whether each is alive: a live peer publishes a newer record (a higher beat)
         than the first read within ``2 · interval + 0.5`` s; one that does not — or whose pid is gone on this host,
         or whose doctor ended — is not. The first read is the one on suspicion when there was one (then usually no
-        waiting at all), else one taken now."""
+        waiting at all), else one taken now. Returns the records, rank -> alive, and the ranks whose process is gone
+        from this host."""
         if snap is None:
             snap = (time.monotonic(), self._read(peers))
         first = snap[1]
         deadline = snap[0] + 2 * self.interval + 0.5
         records: dict[int, Optional[dict]] = {}
         alive: dict[int, Optional[bool]] = {}
+        gone: set[int] = set()
         waiting = list(peers)
         while True:
             for r, rec in self._read(waiting).items():
@@ -242,9 +343,11 @@ class Doctor:
                 before, now = first.get(r), records.get(r)
                 if now is not None and (before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))):
                     alive[r] = True
-                elif now is not None and (now.get("state") in ("exited", "failed") or (
-                        now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))))):
+                elif now is not None and now.get("state") in ("exited", "failed"):
                     alive[r] = False
+                elif now is not None and now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))):
+                    alive[r] = False
+                    gone.add(r)
                 else:
                     still.append(r)
             waiting = still
@@ -258,7 +361,7 @@ class Doctor:
         for r, rec in records.items():  # a process that ended is not alive, whatever its last beat
             if rec is not None and rec.get("state") in ("exited", "failed"):
                 alive[r] = False
-        return records, alive
+        return records, alive, gone
 
     def _say(self, line: str) -> None:
         stream = self.stream or sys.stderr

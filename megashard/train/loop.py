@@ -291,7 +291,7 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             if doc is not None:
-                doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
+                doc.ledger.set_step(step + 1)  # the step being trained, as metrics.jsonl numbers it
             lr = lr_at(step, job)
             for group in optimizer.param_groups:
                 group["lr"] = lr
