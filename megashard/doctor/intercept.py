@@ -245,7 +245,14 @@ def _wrap_wait_tensor(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait_tensor(tensor: Any) -> Any:
-        out = fn(tensor)
+        try:
+            out = fn(tensor)
+        except BaseException as e:  # gloo's timeout, a lost peer: the call is diagnosed while still open
+            doctor = _ACTIVE[0]
+            call = doctor.ledger.held.get(id(tensor)) if doctor is not None else None
+            if call is not None:
+                doctor.on_error(call, e)
+            raise
         doctor = _ACTIVE[0]
         if doctor is not None:
             doctor.ledger.waited(tensor)

@@ -241,13 +241,15 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
     rows: dict[tuple, dict[str, Any]] = {}
     for rank in sorted(live):
         for f in live[rank].get("findings") or _after_the_fact(rank, live):
-            key: tuple = (f["group"], f["op"], f["seq"])
+            key: tuple = (f["group"], f["seq"])  # members in different operations at one number: one row
             if f.get("p2p"):  # point-to-point: one row per waiting rank (its peers differ)
                 key = (f["group"], f["op"], f["rank"])
             row = rows.setdefault(key, {"group": f["group"], "name": f["name"], "ranks": f["ranks"], "op": f["op"],
                                         "seq": f["seq"], "p2p": f.get("p2p") or [], "step": f.get("step"),
                                         "waiting": [], "culprits": {}, "mismatch": {}, "deadlock": []})
             row["waiting"].append(f["rank"])
+            if f["op"] not in row["op"].split("/"):
+                row["op"] = "/".join(sorted(row["op"].split("/") + [f["op"]]))
             for c in f["culprits"]:
                 row["culprits"].setdefault(c["rank"], c)
             if isinstance(f.get("mismatch"), dict):
