@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -245,6 +246,7 @@ def _wrap_wait_tensor(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait_tensor(tensor: Any) -> Any:
+        t0 = time.monotonic()
         try:
             out = fn(tensor)
         except BaseException as e:  # gloo's timeout, a lost peer: the call is diagnosed while still open
@@ -255,6 +257,7 @@ def _wrap_wait_tensor(fn: Callable) -> Callable:
             raise
         doctor = _ACTIVE[0]
         if doctor is not None:
+            doctor.ledger.blocked(id(tensor), time.monotonic() - t0)
             doctor.ledger.waited(tensor)
         return out
 
@@ -270,9 +273,11 @@ def _wrap_wait(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic()
         out = fn(self, *args, **kwargs)
         doctor = _ACTIVE[0]
         if doctor is not None and out is not False:
+            doctor.ledger.blocked(id(self), time.monotonic() - t0)
             doctor.ledger.waited(self)
         return out
 

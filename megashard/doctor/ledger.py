@@ -32,6 +32,10 @@ STEP_LOG = 10000
 """Completed steps whose per-group waits a rank keeps (in memory and in its file): about 100 bytes each."""
 PUBLISHED_STEPS = 32
 """Completed steps whose waits each published record carries (rank 0 compares them across ranks)."""
+REPLICA_NAMES = ("tp_dp_cp", "tp_dp", "dp_cp", "dp", "world")
+"""megashard's groups whose members do the same work (every rank of one pipeline stage; else its data-parallel
+replicas; else everyone): the first of these a rank has is its *peers*, among which a straggler is one that spends
+longer outside the collectives."""
 
 
 @dataclass(eq=False)
@@ -226,6 +230,22 @@ class Ledger:
             t.wait_s += now - call.t0
             t.waits += 1
 
+    def blocked(self, key: int, seconds: float) -> None:
+        """The main thread was blocked ``seconds`` in ``wait()`` on the Work (or output) ``key`` of an asynchronous
+        call: time spent waiting for peers, counted like a synchronous call's."""
+        call = self.held.get(key)
+        if call is not None:
+            call.track.wait_s += seconds
+            call.track.waits += 1
+
+    def peers_key(self) -> Optional[str]:
+        """The group key of this rank's peers (:data:`REPLICA_NAMES`), or None."""
+        for name in REPLICA_NAMES:
+            for t in self.by_key.values():
+                if name in t.names and len(t.ranks) > 1:
+                    return t.key
+        return None
+
     # ------------------------------------------------------------------ steps (the straggler report's input)
     def set_step(self, step: int) -> None:
         """The training step changes to ``step``: the step just ended goes to :attr:`step_log` with its duration and
@@ -285,9 +305,10 @@ class Ledger:
         return min(calls, key=lambda c: c.t0) if calls else None
 
     # ------------------------------------------------------------------ snapshot
-    def record(self, beat: int) -> dict[str, Any]:
+    def record(self, beat: int, waits: int = PUBLISHED_STEPS) -> dict[str, Any]:
         """What peers (and ``megashard doctor``) need to know about this rank: counters per group, open and last
-        calls, step, liveness (host, pid, heartbeat count)."""
+        calls, step, liveness (host, pid, heartbeat count), its run, the groups' ranks and the waits of the newest
+        ``waits`` completed steps (0: all it kept)."""
         now = time.monotonic()
         groups = {}
         for key, t in self.by_key.items():
@@ -307,6 +328,9 @@ class Ledger:
             "open": [dict(c.summary(now), ranks=list(c.track.ranks)) for c in open_calls],
             "last": self.last.summary() if self.last is not None else None,
             "idle_s": round(now - self.last_end, 3) if not open_calls else 0.0,
+            "group_ranks": {key: compact_ranks(t.ranks) for key, t in self.by_key.items()},
+            "peers": self.peers_key(),
+            "waits": self.published_waits(waits),
         }
 
     def entry_line(self, call: Call) -> str:
@@ -314,6 +338,30 @@ class Ledger:
         dies inside the call within a publication interval is still seen to have reached it."""
         p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p)
         return f"{call.entry}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
+
+
+def compact_ranks(ranks: Sequence[int]) -> Any:
+    """``[first, stride, count]`` for ranks in arithmetic progression (every group megashard makes), else the
+    list itself: a record names the ranks of a world group of 10⁴ ranks in a few bytes."""
+    r = list(ranks)
+    if len(r) > 2:
+        stride = r[1] - r[0]
+        if stride > 0 and all(b - a == stride for a, b in zip(r, r[1:])):
+            return {"first": r[0], "stride": stride, "count": len(r)}
+    return r
+
+
+def expand_ranks(spec: Any) -> list[int]:
+    """The ranks :func:`compact_ranks` wrote ([] for anything else)."""
+    if isinstance(spec, dict):
+        try:
+            first, stride, count = int(spec["first"]), int(spec["stride"]), int(spec["count"])
+        except (KeyError, TypeError, ValueError):
+            return []
+        return list(range(first, first + stride * count, stride)) if count > 0 and stride > 0 else []
+    if isinstance(spec, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in spec):
+        return list(spec)
+    return []
 
 
 def parse_entry(text: Any) -> Optional[dict[str, Any]]:

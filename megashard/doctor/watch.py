@@ -29,6 +29,7 @@ from typing import IO, Any, Iterable, Optional
 from megashard.doctor import intercept
 from megashard.doctor.diagnose import diagnose
 from megashard.doctor.ledger import Call, Ledger, parse_entry, with_entry
+from megashard.doctor.stragglers import Stragglers
 from megashard.doctor.waitfor import find_cycle
 
 __all__ = ["Doctor", "default_interval"]
@@ -132,6 +133,10 @@ class Doctor:
         self._entry_gap = 0.0 if _is_tcp(base) else ENTRY_GAP_S
         self._entry_next = 0.0
         self.ledger.identity = run_identity(self.store)
+        # Rank 0 compares the ranks' waits (the straggler report: megashard.doctor.stragglers), in this thread.
+        self.stragglers: Optional[Stragglers] = Stragglers() if self.ledger.rank == 0 else None
+        self.straggler_report: Optional[dict[str, Any]] = None
+        """The newest straggler report (rank 0; what metrics.jsonl carries), replaced whole after each reading."""
         self.findings: list[dict[str, Any]] = []
         self.beat = 0
         self.state = "running"
@@ -235,6 +240,8 @@ class Doctor:
                 self.ledger.poll(self.report)
                 self._publish()
                 self._check()
+                if self.stragglers is not None:
+                    self._compare_waits()
             except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
                 self._say(f"megashard doctor: rank {self.ledger.rank}: watcher error: {type(e).__name__}: {e}")
 
@@ -258,6 +265,26 @@ class Doctor:
             self.store.set(f"rec/{self.ledger.rank}", json.dumps(rec, separators=(",", ":")))
         except Exception:  # noqa: BLE001 - the store's host went away: nothing to publish to
             pass
+
+    def _compare_waits(self) -> None:
+        """Rank 0: every rank's newest published waits into the straggler statistics (one multi-key read)."""
+        keys = [f"rec/{r}" for r in range(self.ledger.world_size)]
+        try:
+            values = self.store.multi_get(keys) if self.store.check(keys) else [self._get(k) for k in keys]
+        except Exception:  # noqa: BLE001 - no multi_get in this store: one key at a time
+            values = [self._get(k) for k in keys]
+        run = self.ledger.identity.get("run")
+        for r, value in enumerate(values):
+            try:
+                rec = json.loads(value) if value is not None else None
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("run") in (None, run):
+                self.stragglers.add_record(r, rec, analyse=False)
+        before = self.stragglers.steps
+        self.stragglers.analyse(trim=True)
+        if self.stragglers.steps != before:  # new steps: a new report (the test costs a few ms of Python)
+            self.straggler_report = self.stragglers.metrics()
 
     def _read(self, ranks: Iterable[int]) -> dict[int, Optional[dict]]:
         """The peers' records, each merged with the call it published on entry when that is newer
@@ -375,8 +402,10 @@ class Doctor:
         """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically); returns the path."""
         if not self.out_dir:
             return None
-        rec = self.ledger.record(self.beat)
+        rec = self.ledger.record(self.beat, waits=0)
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
+        if self.straggler_report is not None:
+            rec["stragglers"] = self.straggler_report
         d = os.path.join(self.out_dir, "doctor")
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if restart.isdigit() and int(restart) > 0:

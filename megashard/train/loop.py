@@ -324,6 +324,8 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
                     print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,
                           flush=True)
             if writer is not None:
+                if doc is not None and doc.straggler_report is not None:  # rank 0's doctor compares the waits
+                    record["stragglers"] = doc.straggler_report
                 writer.write(record)
             bar.update(done, gloss, tokens_per_step * (done - start) / (time.perf_counter() - t_start))
             if t.fail_at_step == done and rank == t.fail_rank and _restart_count() == 0:
