@@ -48,14 +48,18 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     ignored_line = (f"ignored {ignored} record(s) of {len(found.other_runs)} other run(s) in {args.run_dir} "
                     f"(run {', '.join(sorted(found.other_runs))[:120]}): an earlier job's files, not this run's"
                     if ignored else "")
+    from megashard.doctor.stragglers import format_report, from_records
+
+    slow = [from_records(a.records) for a in found.kept]
     if args.format == "json":
-        out = [dict(s, attempt=label, dir=d, run=found.kept[i].records[min(found.kept[i].records)].get("run"))
+        out = [dict(s, attempt=label, dir=d, run=found.kept[i].records[min(found.kept[i].records)].get("run"),
+                    stragglers=slow[i].report())
                for i, (label, d, s) in enumerate(attempts)]
         data = out[0] if len(out) == 1 else out
         if isinstance(data, dict):
             data = dict(data, ignored_other_runs=found.other_runs, damaged=[p for p, _ in found.damaged])
         print(json.dumps(data, indent=1))
-    for label, d, s in attempts if args.format == "table" else ():
+    for i, (label, d, s) in enumerate(attempts if args.format == "table" else ()):
         where = args.run_dir if len(attempts) == 1 else f"{args.run_dir} ({label})"
         print(f"megashard doctor: {where}: records of {len(s['ranks']) - len(s['started_only'])} of "
               f"{s['world_size']} ranks; {len(s['rows'])} hung operation(s)")
@@ -65,6 +69,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             print(f"no record from rank(s) {shown} after their start: killed before they could write one (e.g. "
                   "SIGKILL, out of memory)" + (" or never started the doctor"
                                                if set(s["no_record"]) - set(s["started_only"]) else ""))
+        if slow[i].steps or not s["rows"]:
+            print(format_report(slow[i]))
     if ignored_line and args.format == "table":
         print(ignored_line)
     return 1 if any(s["rows"] for _, _, s in attempts) else 0

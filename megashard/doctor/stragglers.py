@@ -249,3 +249,33 @@ def from_records(records: Mapping[int, Mapping[str, Any]]) -> Stragglers:
         s.add_record(rank, rec, analyse=False)
     s.analyse()
     return s
+
+
+def format_report(s: Stragglers, top_steps: int = 5) -> str:
+    """What ``megashard doctor RUN_DIR`` prints about stragglers: per group the rank that arrived last most often and
+    by how much, the stragglers named (or that none is), and the steps where one rank was latest."""
+    if not s.steps:
+        return "stragglers: no step to compare (the job never called megashard.doctor.set_step)"
+    lines = [f"stragglers: {s.steps} step(s) compared, up to step {s.newest_step} (a rank is named when it is busy "
+             f"longer than its peers by a median >= {MIN_SHARE:.0%} of the step, Wilcoxon p < {ALPHA:g})"]
+    rows = s.group_rows()
+    if rows:
+        head = ("GROUP", "STEPS", "LAST MOST OFTEN", "LATE BY (median)")
+        table = [(r["group"], str(r["steps"]), f"rank {r['rank']} in {r['last']} ({r['last'] / r['steps']:.0%})",
+                  f"{r['lag_ms']:.1f} ms ({r['share']:.1%} of the step)") for r in rows]
+        widths = [max(len(t[i]) for t in [head, *table]) for i in range(3)]
+        for t in [head, *table]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(t[:3], widths)) + "  " + t[3])
+    named = s.named()
+    for n in named:
+        lines.append(f"straggler: rank {n['rank']}: busy {n['lag_ms']:.1f} ms per step longer than its peers "
+                     f"{n['peers']} ({n['share']:.0%} of the step; the last of them in {n['last']} of {n['steps']} "
+                     f"steps; p = {n['p']:.2g})")
+    if not named:
+        lines.append("no straggler named")
+    who = {n["rank"] for n in named}
+    worst = sorted((p for p in s.per_step if p[2] in who), key=lambda p: -p[4])[:top_steps]
+    if worst and named:
+        lines.append("latest steps: " + "; ".join(f"step {st} rank {r} +{late * 1e3:.1f} ms ({sh:.0%})"
+                                                  for st, _, r, late, sh in sorted(worst)))
+    return "\n".join(lines)
