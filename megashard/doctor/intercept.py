@@ -274,7 +274,14 @@ def _wrap_wait(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.monotonic()
-        out = fn(self, *args, **kwargs)
+        try:
+            out = fn(self, *args, **kwargs)
+        except BaseException as e:  # gloo's timeout, a lost peer: diagnosed while the call is still open
+            doctor = _ACTIVE[0]
+            call = doctor.ledger.held.get(id(self)) if doctor is not None else None
+            if call is not None:
+                doctor.on_error(call, e)
+            raise
         doctor = _ACTIVE[0]
         if doctor is not None and out is not False:
             doctor.ledger.blocked(id(self), time.monotonic() - t0)
