@@ -524,6 +524,40 @@ class _DestroyedGroupName:
         return None
 
 
+# --- torchrun's rendezvous (megashard.launch.startwatch: how many nodes joined while a node is missing) --------------
+def capture_rendezvous_handlers(sink: list) -> bool:
+    """Append every rendezvous handler torchrun's launcher creates (in this process) to ``sink``: the launcher's
+    ``rdzv_registry.get_rendezvous_handler`` is wrapped (looked up as a module attribute at launch). False where this
+    torch's launcher has another shape."""
+    try:
+        import torch.distributed.launcher.api as launcher_api
+    except ImportError:  # pragma: no cover
+        return False
+    registry = getattr(launcher_api, "rdzv_registry", None)
+    original = getattr(registry, "get_rendezvous_handler", None)
+    if original is None:  # pragma: no cover
+        return False
+
+    def get_rendezvous_handler(params, *args, **kwargs):
+        handler = original(params, *args, **kwargs)
+        sink.append(handler)
+        return handler
+
+    registry.get_rendezvous_handler = get_rendezvous_handler
+    return True
+
+
+def rendezvous_joined(handler) -> list[str] | None:
+    """The nodes (``host:pid``) that joined the current round of a dynamic rendezvous (c10d, etcd; torch's private
+    ``_state_holder.state``: participants, then the wait list), or None where the handler keeps no such state."""
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    if state is None:
+        return None
+    nodes = list(getattr(state, "participants", {}) or {}) + list(getattr(state, "wait_list", ()) or ())
+    return [f"{getattr(n, 'addr', '?')}:{getattr(n, 'pid', '?')}" for n in nodes]
+
+
 def destroy_group_keep_name(pg) -> None:
     """Destroy a members-only process group (its backend, sockets and threads) but keep its name taken.
 

@@ -167,8 +167,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         from megashard._compat import elastic_agent_gives_up_on
 
-        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
         _quiet_torchrun_logs(_Reporter(args.nnodes, hostname()))
+        from megashard.launch.startwatch import watch_from_env
+
+        watch_from_env(argv)  # a worker that never reaches init_process_group is named (megashard run only)
         elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}))
         try:
             run(args)
