@@ -263,3 +263,38 @@ def test_a_slow_rank_is_named_and_the_ranks_that_waited_for_it_are_not():
 def test_no_rank_is_named_under_symmetric_noise(seed):
     s = _synthetic_run(200, slow=None, seed=seed, noise=1.0)
     assert s.named() == [], s.named()
+
+
+def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from megashard.doctor import board as board_mod
+
+    monkeypatch.setattr(board_mod, "_base", lambda: str(tmp_path))
+    mine = board_mod.EntryBoard("run/1", 0)
+    assert mine.dir == str(tmp_path / "megashard-doctor-run_1")
+    mine.write("5|tp:0|all_reduce|3|float32[4]|")
+    mine.write("6|tp:0|barrier|4||")  # shorter than the one before: read up to its end
+    # rank 1 wrote its entry, then died (a child process that exits)
+    code = ("import sys; sys.path.insert(0, %r); from megashard.doctor import board as b; b._base = lambda: %r; "
+            "x = b.EntryBoard('run/1', 1); x.write('9|dp:1|all_gather|7|bfloat16[2, 8]|'); import os; os._exit(0)"
+            % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(tmp_path)))
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert mine.local_ranks() == [1]
+    pid, line = mine.read(1)
+    assert pid is not None and line == "9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.read(0)[1] == "6|tp:0|barrier|4||"
+    store = dist.HashStore()
+    assert mine.cover_dead(store, lambda p: p == pid) == [1]
+    assert store.get("at/1") == b"9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.local_ranks() == [] and mine.cover_dead(store, lambda p: True) == []  # once, and its file is gone
+    mine.close()
+    assert not os.path.exists(mine.dir)
+    stale = tmp_path / "megashard-doctor-old"
+    stale.mkdir()
+    (stale / "rank_3").write_bytes(b"%d\n" % (2 ** 22 + 11))  # a pid that does not exist
+    os.utime(stale, (1, 1))
+    assert board_mod.sweep(str(tmp_path)) == 1 and not stale.exists()

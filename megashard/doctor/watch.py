@@ -27,6 +27,7 @@ import time
 from typing import IO, Any, Iterable, Optional
 
 from megashard.doctor import intercept
+from megashard.doctor.board import EntryBoard
 from megashard.doctor.diagnose import diagnose
 from megashard.doctor.ledger import Call, Ledger, parse_entry, with_entry
 from megashard.doctor.stragglers import Stragglers
@@ -35,23 +36,6 @@ from megashard.doctor.waitfor import find_cycle
 __all__ = ["Doctor", "default_interval"]
 
 STORE_PREFIX = "megashard_doctor"
-ENTRY_GAP_S = 0.05
-"""On a store other than a TCPStore (a FileStore appends every write to its file), the entry of a call is published
-at most once per this many seconds."""
-
-
-def _is_tcp(store: Any) -> bool:
-    import torch.distributed as dist
-
-    for _ in range(8):  # PrefixStore(PrefixStore(TCPStore)) ...
-        if isinstance(store, dist.TCPStore):
-            return True
-        store = getattr(store, "underlying_store", None)
-        if store is None:
-            return False
-    return False
-
-
 def run_identity(store: Any) -> dict[str, Any]:
     """What ties this rank's records to its run: ``run`` — one id for every rank of this launch attempt, agreed
     through the store without a collective (the first rank to ask sets it) —, ``launch`` (``MEGASHARD_RUN_ID`` of
@@ -119,20 +103,15 @@ class Doctor:
             from megashard._compat import default_store
 
             store = default_store()
-        base = store
         try:
-            store = base.clone()  # its own connection: never behind the main thread's store requests
-            entry_store = base.clone()  # the main thread's, for the entry of each call
+            store = store.clone()  # its own connection: never behind the main thread's store requests
         except Exception:  # noqa: BLE001 - a store without clone (FakeStore, older torch): share the connection
-            entry_store = store
+            pass
         self.store = dist.PrefixStore(STORE_PREFIX, store)
-        self._entry_store: Any = dist.PrefixStore(STORE_PREFIX, entry_store)
-        self._entry_key = f"at/{self.ledger.rank}"
-        # A TCPStore's set is one message without an answer (a few µs): every call's entry is published. Other stores
-        # pay more per set and a FileStore's file grows with each: there at most one entry per ENTRY_GAP_S.
-        self._entry_gap = 0.0 if _is_tcp(base) else ENTRY_GAP_S
-        self._entry_next = 0.0
         self.ledger.identity = run_identity(self.store)
+        # The call this rank enters, in shared memory (megashard.doctor.board): ~1 µs on the main thread, and it
+        # survives the process — peers on this host read it, and publish it to the store for the others if it died.
+        self.board = EntryBoard(str(self.ledger.identity["run"]), self.ledger.rank)
         # Rank 0 compares the ranks' waits (the straggler report: megashard.doctor.stragglers), in this thread.
         self.stragglers: Optional[Stragglers] = Stragglers() if self.ledger.rank == 0 else None
         self.straggler_report: Optional[dict[str, Any]] = None
@@ -216,22 +195,12 @@ class Doctor:
         self._publish()
         self.write(reason)
         self.ledger.forget_groups()
+        self.board.close()
 
     def entered(self, call: Call) -> None:
-        """Publish the call this rank starts (the main thread, before torch runs it): a rank that dies inside a call
-        is seen inside it, even within a publication interval of entering it."""
-        store = self._entry_store
-        if store is None:
-            return
-        if self._entry_gap:
-            now = time.monotonic()
-            if now < self._entry_next:
-                return
-            self._entry_next = now + self._entry_gap
-        try:
-            store.set(self._entry_key, self.ledger.entry_line(call))
-        except Exception:  # noqa: BLE001 - the store's host went away: the background thread goes on alone
-            self._entry_store = None
+        """The call this rank starts, written to its shared-memory entry (the main thread, before torch runs it): a
+        rank that dies inside a call is seen inside it, even within a publication interval of entering it."""
+        self.board.write(self.ledger.entry_line(call))
 
     # ------------------------------------------------------------------ the background thread
     def _run(self) -> None:
@@ -240,6 +209,7 @@ class Doctor:
                 self.ledger.poll(self.report)
                 self._publish()
                 self._check()
+                self.board.cover_dead(self.store, _pid_dead)  # a dead rank of this host: its entry for the others
                 if self.stragglers is not None:
                     self._compare_waits()
             except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
@@ -300,7 +270,8 @@ class Doctor:
             if not isinstance(rec, dict) or (run and rec.get("run") not in (None, run)):
                 out[r] = None
                 continue
-            out[r] = with_entry(rec, parse_entry(self._get(f"at/{r}")))
+            pid, line = self.board.read(r)  # on this host: its own entry file; else what a survivor published
+            out[r] = with_entry(rec, parse_entry(line if line is not None else self._get(f"at/{r}")))
         return out
 
     def _get(self, key: str) -> Optional[bytes]:
