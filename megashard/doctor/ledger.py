@@ -263,9 +263,9 @@ class Ledger:
     def published_waits(self, last: int = PUBLISHED_STEPS) -> Optional[dict[str, Any]]:
         """The newest ``last`` completed steps as published: ``{"steps": [...], "dt": [µs], "w": {group key: [µs]}}``
         (a group absent from a step waited 0 µs there); the whole log when ``last`` is 0; None before any step."""
-        log = list(self.step_log)
-        if last:
-            log = log[-last:]
+        n = len(self.step_log)
+        # the newest ``last`` without copying the whole log (indexing near a deque's end is cheap)
+        log = [self.step_log[i] for i in range(max(0, n - last), n)] if last else list(self.step_log)
         if not log:
             return None
         keys = sorted({k for _, _, w in log for k in w})

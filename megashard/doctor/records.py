@@ -123,10 +123,14 @@ def check_record(rec: Any) -> Optional[str]:
             return bad
     w = rec.get("waits")
     if w:
-        n = len(w.get("steps") or []) if isinstance(w.get("steps"), list) else -1
-        if n < 0 or not isinstance(w.get("dt"), list) or len(w["dt"]) != n or not isinstance(w.get("w"), dict) \
-                or any(not isinstance(v, list) or len(v) != n for v in w["w"].values()):
-            return "key 'waits' must hold lists 'steps', 'dt' and per group 'w' of one length"
+        n = len(w["steps"]) if isinstance(w.get("steps"), list) and all(map(_is_int, w["steps"])) else -1
+        lists = [w.get("dt"), *(w["w"].values() if isinstance(w.get("w"), dict) else [None])]
+        if n < 0 or any(not isinstance(v, list) or len(v) != n or not all(map(_is_num, v)) for v in lists):
+            return "key 'waits' must hold 'steps' (integers), 'dt' and per group 'w' (numbers), lists of one length"
+    if "group_ranks" in rec and not isinstance(rec["group_ranks"], dict):
+        return f"key 'group_ranks' must be an object (group -> ranks), found {rec['group_ranks']!r:.60}"
+    if rec.get("peers") is not None and not isinstance(rec["peers"], str):
+        return f"key 'peers' must be a string (a group key) or null, found {rec['peers']!r:.60}"
     return None
 
 
