@@ -128,6 +128,13 @@ def test_register_on_every_rank_and_a_member_that_ended(tmp_path, capsys):
     code, out = _cli(run_dir, capsys)
     assert code == 1 and out[0].endswith("records of 4 of 4 ranks; 1 hung operation(s)"), out
     assert out[2].startswith("pair [0, 1] all_reduce #1 3 0 rank 1: its process ended"), out
+    records = []
+    for r in range(4):  # one run: the same id on every rank (agreed through the store), each rank's own start
+        with open(os.path.join(run_dir, "doctor", f"rank_{r}.json"), encoding="utf-8") as f:
+            records.append(json.load(f))
+    assert len({rec["run"] for rec in records}) == 1 and records[0]["run"], [rec["run"] for rec in records]
+    assert all(isinstance(rec["started"], float) and rec["attempt"] == 0 for rec in records)
+    assert len({rec["launch"] for rec in records}) == 1  # torchrun's run id of this launch
 
 
 @pytest.fixture(autouse=True)
