@@ -83,11 +83,12 @@ class _EventProbe:
 
 
 _TENSOR_PARAMS = ("tensor", "input_tensor", "input", "tensors", "input_tensor_list", "output_tensor", "output")
-_DTYPES: dict = {}
+_SIGS: dict = {}  # (dtype, shape, list length) -> its text
 
 
 def _sig(t: Any) -> str:
-    """``float32[4, 8]`` for a tensor (``float32[4]×3`` for a list of them), "" for anything else. A few µs."""
+    """``float32[4, 8]`` for a tensor (``float32[4]×3`` for a list of them), "" for anything else. About a µs: the
+    text of a (dtype, shape) seen before is looked up."""
     n = 1
     if isinstance(t, (list, tuple)):
         n = len(t)
@@ -95,11 +96,13 @@ def _sig(t: Any) -> str:
     shape = getattr(t, "shape", None)
     if shape is None:
         return ""
-    dt = t.dtype
-    name = _DTYPES.get(dt)
-    if name is None:
-        name = _DTYPES[dt] = str(dt).replace("torch.", "")
-    return f"{name}{list(shape)}" + (f"×{n}" if n > 1 else "")
+    key = (t.dtype, shape, n)
+    text = _SIGS.get(key)
+    if text is None:
+        if len(_SIGS) > 4096:  # a job with ever new shapes: start over
+            _SIGS.clear()
+        text = _SIGS[key] = str(t.dtype).replace("torch.", "") + str(list(shape)) + (f"×{n}" if n > 1 else "")
+    return text
 
 
 def _p2p_parts(name: str, args: tuple, kwargs: dict, track: Any, idx: dict) -> tuple[tuple[str, int], ...]:
@@ -142,7 +145,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
             parts = ()
         sig = _sig(_arg(args, kwargs, tensor_param, idx["tensor"])) if tensor_param else ""
         call = ledger.begin(track, name, parts, sig)
-        doctor.entered(call)  # published before torch runs it: a rank that dies inside is seen inside
+        doctor.board.write(ledger.entry_line(call))  # before torch runs it: a rank that dies inside is seen inside
         _TLS.depth = 1
         try:
             out = fn(*args, **kwargs)
@@ -273,17 +276,18 @@ def _wrap_wait(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        doctor = _ACTIVE[0]
+        if doctor is None or id(self) not in doctor.ledger.held:  # torch's own wait inside a synchronous call
+            return fn(self, *args, **kwargs)
         t0 = time.monotonic()
         try:
             out = fn(self, *args, **kwargs)
         except BaseException as e:  # gloo's timeout, a lost peer: diagnosed while the call is still open
-            doctor = _ACTIVE[0]
-            call = doctor.ledger.held.get(id(self)) if doctor is not None else None
+            call = doctor.ledger.held.get(id(self))
             if call is not None:
                 doctor.on_error(call, e)
             raise
-        doctor = _ACTIVE[0]
-        if doctor is not None and out is not False:
+        if out is not False:
             doctor.ledger.blocked(id(self), time.monotonic() - t0)
             doctor.ledger.waited(self)
         return out

@@ -336,7 +336,7 @@ class Ledger:
     def entry_line(self, call: Call) -> str:
         """What is published on entry to ``call`` (``at/<rank>``): ``entries|group|op|seq|sig|p2p parts`` — a rank that
         dies inside the call within a publication interval is still seen to have reached it."""
-        p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p)
+        p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p) if call.p2p else ""
         return f"{call.entry}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
 
 
