@@ -59,18 +59,22 @@ def test_rank_aborted_inside_a_mismatched_all_reduce_is_named_inside_it(tmp_path
     float32[8]: published on entry, rank 0 is seen inside the call — not as 'never reached it'."""
     run_dir = str(tmp_path)
     lines, err = _torchrun("size", 2, run_dir)
+    code, out = _cli(run_dir, capsys)
+    assert code == 1 and out[0].endswith("records of 1 of 2 ranks; 1 hung operation(s)"), (out, err[-3000:])
+    assert any(line.startswith("no record from rank(s) 0 after their start") for line in out), out
+    if not lines:  # torchrun stopped rank 1 (within 0.1 s of rank 0's death) before it printed: its file tells
+        assert out[2].startswith("world [0, 1] all_reduce #4 3 1 rank 0: reached it, its process failed inside "
+                                 "all_reduce #4 on world"), out  # from rank 0's entry slot, on this host
+        pytest.skip("torchrun stopped rank 1 before its line (a loaded machine): checked from the files")
     assert list(lines) == [1], err[-3000:]
     assert lines[1].startswith("megashard doctor: rank 1 waits in all_reduce #4 on world [0, 1] (step 3)"), lines
     assert ("rank 0 reached it; its process died inside all_reduce #4 on world (float32[4]) (crashed, aborted or "
             "killed)") in lines[1], lines
     assert "mismatched calls: rank 0: all_reduce float32[4]; rank 1: all_reduce float32[8]" in lines[1], lines
     assert "never reached" not in lines[1], lines
-    code, out = _cli(run_dir, capsys)
-    assert code == 1 and out[0].endswith("records of 1 of 2 ranks; 1 hung operation(s)"), out
     assert out[2].startswith("world [0, 1] all_reduce #4 3 1 rank 0: reached it, its process died inside"), out
     assert "world [0, 1] all_reduce #4: mismatched calls: rank 0: all_reduce float32[4]; rank 1: all_reduce " \
            "float32[8]" in out, out
-    assert any(line.startswith("no record from rank(s) 0 after their start") for line in out), out
 
 
 def test_mismatched_operations_are_named_rank_by_rank(tmp_path):

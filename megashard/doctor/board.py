@@ -69,13 +69,15 @@ def sweep(base: str) -> int:
 class EntryBoard:
     """This rank's entry file (written by :meth:`write`) and the reading of the other ranks' on this host."""
 
-    def __init__(self, run: str, rank: int):
+    def __init__(self, run: str, rank: int, create: bool = True):
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:80] or "run"
         self.dir = os.path.join(_base(), f"megashard-doctor-{safe}")
         self.rank = rank
         self.path = os.path.join(self.dir, f"rank_{rank}")
         self.covered: set[int] = set()  # dead local ranks whose entry this rank published
         self._mm: Optional[mmap.mmap] = None
+        if not create:
+            return
         if rank == 0:
             sweep(os.path.dirname(self.dir))
         try:
@@ -89,6 +91,11 @@ class EntryBoard:
             self._mm[:HEADER] = f"{os.getpid()}\n".encode().ljust(HEADER, b"\0")
         except (OSError, ValueError):  # no shared memory here: entries go unpublished (the record still is)
             self._mm = None
+
+    @classmethod
+    def reader(cls, run: str) -> "EntryBoard":
+        """The entry files of run ``run`` on this host, to read only (``megashard doctor`` after the fact)."""
+        return cls(run, -1, create=False)
 
     def write(self, line: str) -> None:
         """The call this rank starts (the main thread; about a microsecond)."""

@@ -242,6 +242,8 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
     from megashard.doctor.waitfor import find_cycle
 
     live = {r: rec for r, rec in records.items() if rec.get("reason") != "start"}
+    written = set(live)
+    live.update(_entered_before_death(records, live))
     rows: dict[tuple, dict[str, Any]] = {}
     for rank in sorted(live):
         for f in live[rank].get("findings") or _after_the_fact(rank, live):
@@ -265,8 +267,30 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
             row["deadlock"] = find_cycle(min(row["waiting"]), live)
     world = max((int(r.get("world_size", 0)) for r in records.values()), default=0)
     return {"rows": list(rows.values()), "world_size": world, "ranks": sorted(records),
-            "no_record": [r for r in range(world) if r not in live],
-            "started_only": sorted(r for r in records if r not in live)}
+            "no_record": [r for r in range(world) if r not in written],
+            "started_only": sorted(r for r in records if r not in written)}
+
+
+def _entered_before_death(records: Mapping[int, Mapping], live: Mapping[int, Mapping]) -> dict[int, dict]:
+    """Ranks of this host that left only their start record but whose entry slot is still there (no survivor of
+    theirs published it: torchrun stopped them all at once): their start record with the call they entered, so the
+    after-the-fact diagnosis sees them inside it."""
+    import socket
+
+    from megashard.doctor.board import EntryBoard
+    from megashard.doctor.ledger import parse_entry, with_entry
+
+    out: dict[int, dict] = {}
+    host = socket.gethostname()
+    for r, rec in records.items():
+        if r in live or rec.get("host") != host or not isinstance(rec.get("run"), str):
+            continue
+        board = EntryBoard.reader(rec["run"])
+        pid, line = board.read(r)
+        entry = parse_entry(line) if pid == rec.get("pid") else None
+        if entry is not None:
+            out[r] = dict(with_entry(dict(rec), entry), state="failed", reason="died")
+    return out
 
 
 def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from typing import IO, Any, Iterable, Optional
 from megashard.doctor import intercept
 from megashard.doctor.board import EntryBoard
 from megashard.doctor.diagnose import diagnose
-from megashard.doctor.ledger import Call, Ledger, parse_entry, with_entry
+from megashard.doctor.ledger import PUBLISHED_STEPS, Call, Ledger, parse_entry, with_entry
 from megashard.doctor.stragglers import Stragglers
 from megashard.doctor.waitfor import find_cycle
 
@@ -172,7 +172,7 @@ class Doctor:
     def start(self) -> "Doctor":
         intercept.install(self)
         self._publish()
-        self.write("start")  # this rank of this run started: a rank killed later leaves at least this
+        self.write("start", waits=1)  # this rank of this run started: a rank killed later leaves at least this
         self._thread = threading.Thread(target=self._run, name="megashard-doctor", daemon=True)
         self._thread.start()
         return self
@@ -305,7 +305,9 @@ class Doctor:
             self._reported = set(self.ledger.open) | {call.cid}
             waited = time.monotonic() - call.t0
             self._publish()  # peers diagnosing now see this call open
-            self.write("hang")  # first what this rank knows (the process may be stopped while it waits for peers)
+            # first what this rank knows (the process may be stopped while it waits for peers; torchrun stops the
+            # survivors within 0.1 s of a worker's death): small, the step log comes with the final write
+            self.write("hang", waits=PUBLISHED_STEPS)
             records, alive, gone = self._examine(self._peers_of(call), self._snap.get(call.cid))
             cycle = []
             if any(r.get("open") for r in records.values() if r is not None):  # a peer waits elsewhere: a cycle?
@@ -369,11 +371,12 @@ class Doctor:
             pass
 
     # ------------------------------------------------------------------ files
-    def write(self, reason: str) -> Optional[str]:
-        """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically); returns the path."""
+    def write(self, reason: str, waits: int = 0) -> Optional[str]:
+        """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically; with the waits of the newest
+        ``waits`` steps, 0: all kept); returns the path."""
         if not self.out_dir:
             return None
-        rec = self.ledger.record(self.beat, waits=0)
+        rec = self.ledger.record(self.beat, waits=waits)
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
         if self.straggler_report is not None:
             rec["stragglers"] = self.straggler_report
