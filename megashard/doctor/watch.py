@@ -310,9 +310,11 @@ class Doctor:
             self.write("hang", waits=PUBLISHED_STEPS)
             records, alive, gone = self._examine(self._peers_of(call), self._snap.get(call.cid))
             cycle = []
-            if any(r.get("open") for r in records.values() if r is not None):  # a peer waits elsewhere: a cycle?
+            waiting = {r: rec for r, rec in records.items() if rec is not None and alive.get(r) is not False}
+            if any(rec.get("open") for rec in waiting.values()):  # a live peer waits elsewhere: a cycle?
                 mine = dict(self.ledger.record(self.beat), open=[dict(call.summary(), ranks=list(call.track.ranks))])
-                cycle = find_cycle(self.ledger.rank, {**records, self.ledger.rank: mine}, fetch=self._read)
+                cycle = find_cycle(self.ledger.rank, {**records, **{r: None for r in records if r not in waiting},
+                                                      self.ledger.rank: mine}, fetch=self._read)
             finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited, gone,
                                deadlock=cycle)
             self.findings.append(finding)
