@@ -155,7 +155,8 @@ class ParallelState:
     def _create_groups(self) -> None:
         by_ranks: dict[tuple, dist.ProcessGroup] = {}
         # NCCL options per group name (Megatron's communicator config), applied on nccl only.
-        spec = nccl_spec(self.config) if "nccl" in str(dist.get_backend()) else {}
+        spec = (nccl_spec(self.config.nccl_communicator_config_path, self.config.high_priority_stream_groups)
+                if "nccl" in str(dist.get_backend()) else {})
         rank = self.layout_rank
         # Every rank first creates its groups of the names all ranks have (the same number of new communicators on
         # every rank of a layout), then the gloo twins, then the pipeline-edge groups (embedding stages only).
