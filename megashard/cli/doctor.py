@@ -16,8 +16,11 @@ def add(sub: argparse._SubParsersAction) -> None:
             "Read RUN_DIR/doctor/rank_<r>.json (written by every rank of a job with the hang doctor on: train.doctor, "
             "or megashard.doctor.enable(out_dir=...)) and print, for every collective that did not finish within "
             "parallel.timeout, its group and ranks, the operation and its number on that group, the step, the ranks "
-            "that waited, and the ranks that never reached it with what each was doing instead. Ranks that left no "
-            "record are named (a process killed by SIGKILL writes none). See docs/doctor.md."
+            "that waited, and the ranks that never reached it with what each was doing instead (a rank that died "
+            "inside it is said so), mismatched calls rank by rank and deadlocks; ranks that left no record after their "
+            "start are named; then the stragglers (per group the rank that arrives last most often and by how much, "
+            "and the ranks named slow). Only the newest run's records are read; a damaged record is named and skipped. "
+            "See docs/doctor.md."
         ),
         epilog=("examples:\n  megashard doctor runs/default\n  megashard doctor runs/default --format json\n"
                 "\nexit codes: 0 no hang recorded, 1 hangs recorded (the table), 2 usage or no records in RUN_DIR"),
