@@ -298,3 +298,29 @@ def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path
     (stale / "rank_3").write_bytes(b"%d\n" % (2 ** 22 + 11))  # a pid that does not exist
     os.utime(stale, (1, 1))
     assert board_mod.sweep(str(tmp_path)) == 1 and not stale.exists()
+
+
+def test_the_words_for_a_rank_that_ended_crashed_or_stopped_inside_a_call():
+    from megashard.doctor.diagnose import diagnose
+    from megashard.doctor.ledger import parse_entry, with_entry
+
+    call = {"group": "tp:0", "name": "tp", "op": "all_reduce", "seq": 4, "sig": "float32[4]", "step": 9}
+    base = {"rank": 1, "entries": 10, "groups": {"tp:0": {"seq": 3}}, "open": [], "step": 9, "host": "h", "pid": 7,
+            "last": {"group": "tp:0", "name": "tp", "op": "all_reduce", "seq": 3}}
+    inside = with_entry(base, parse_entry("11|tp:0|all_reduce|4|float32[4]|"))
+    f = diagnose(call, [0, 1], 0, {1: inside}, {1: False}, 4.0, gone={1})
+    assert f["line"].endswith(": rank 1 reached it; its process died inside all_reduce #4 on tp (float32[4]) "
+                              "(crashed, aborted or killed)"), f["line"]
+    f = diagnose(call, [0, 1], 0, {1: inside}, {1: False}, 4.0)  # another host: no pid to look at
+    assert ": rank 1 reached it; no heartbeat since it entered all_reduce #4 on tp (float32[4]): died or stuck inside " \
+           "it" in f["line"], f["line"]
+    ended = dict(base, state="exited", open=[{"group": "world", "name": "world", "op": "barrier", "seq": 2}])
+    f = diagnose(call, [0, 1], 0, {1: ended}, {1: False}, 4.0)
+    assert "rank 1 never reached it (its process ended inside barrier #2 on world)" in f["line"], f["line"]
+    f = diagnose(call, [0, 1], 0, {1: base}, {1: False}, 4.0, gone={1})  # died in its own code, before the call
+    assert "rank 1 never reached it (its process died (last: all_reduce #3 on tp, step 9))" in f["line"], f["line"]
+    alive = dict(base, groups={"tp:0": {"seq": 4}}, open=[dict(call, sig="float32[4]")])
+    f = diagnose(call, [0, 1], 0, {1: alive}, {1: True}, 4.0)  # same call, alive: the doctor cannot tell more
+    assert f["line"].endswith("every rank of the group reached it with the same call (all_reduce float32[4]) and is "
+                              "alive: mismatched arguments the doctor does not compare (reduce ops, split sizes, "
+                              "peers) or a transport problem"), f["line"]
