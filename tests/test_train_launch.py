@@ -92,8 +92,8 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     assert plain.returncode == 0, _explain(plain)
     assert fault.returncode == 0, _explain(fault)
     assert "rank 1: injected failure after step 4" in fault.stderr, _explain(fault)
-    assert (f"megashard run: resumed from step 2 ({tmp}/fault/checkpoints/step_00000002), data position restored\n"
-            in fault.stderr), _explain(fault)
+    assert (f"megashard run: resumed from step 2 ({tmp}/fault/checkpoints/step_00000002), data position restored; "
+            "2 steps redone (steps 3-4 of the previous start)\n" in fault.stderr), _explain(fault)
     assert "rng:" not in fault.stderr and "consumed_samples" not in fault.stderr, _explain(fault)
     # The surviving ranks' broken connections and torchrun's own logs are one line, not ~70 of tracebacks.
     assert ("megashard run: rank 1 failed (exit code 1); the other ranks lost their peers; torchrun restarts the "
@@ -106,18 +106,30 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     got = read_metrics(os.path.join(tmp, "fault", "metrics.jsonl"))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # steps 3-4 of the failed attempt were dropped
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
-    # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/): the ranks that lost
-    # their peers named rank 1, which left no record (os._exit).
-    from megashard.doctor import attempt_dirs, read_run_dir, summarize
+    # the restart in the same world, recorded with the work it cost (megashard.train.world)
+    change = got[2]["world_change"]
+    assert [r["step"] for r in got if "world_change" in r] == [3] and got[2]["world_size"] == 4, got[2]
+    assert (change["world_size_before"], change["resumed_from"], change["last_step_before"], change["steps_redone"],
+            change["nodes_left"], change["nodes_joined"]) == (4, 2, 4, 2, [], []), change
+    assert change["seconds_down"] > 0 and change["seconds_redone"] > 0, change
+    # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/, the rendezvous round
+    # the restarted workers share): the ranks that lost their peers named rank 1, which left only its start record
+    # (os._exit).
+    from megashard.doctor import attempt_dirs, read_attempts, read_run_dir, summarize
 
     dirs = attempt_dirs(os.path.join(tmp, "fault"))
     assert [label for label, _ in dirs] == ["first attempt", "restart 1"], dirs
     first, _ = read_run_dir(dirs[0][1])
-    assert 1 not in first and first, sorted(first)
-    rows = summarize(first)["rows"]
-    assert 1 in {r for row in rows for r in row["culprits"]}, rows
+    assert first and first[1]["reason"] == "start", {r: rec["reason"] for r, rec in first.items()}
+    summary = summarize(first)
+    assert 1 in summary["started_only"] and 1 in {r for row in summary["rows"] for r in row["culprits"]}, summary
     again, _ = read_run_dir(dirs[1][1])
     assert sorted(again) == [0, 1, 2, 3] and not any(r["findings"] for r in again.values())
+    # one identity per world: the ranks of each attempt agree on it, the two attempts differ, both of this job
+    assert len({r["run"] for r in first.values()}) == 1 and len({r["run"] for r in again.values()}) == 1
+    assert {r["world"] for r in first.values()} == {0} and {r["world"] for r in again.values()} == {1}
+    worlds = read_attempts(os.path.join(tmp, "fault"))
+    assert [a.label for a in worlds.kept] == ["first attempt", "restart 1"] and not worlds.other_runs, worlds
     a = read_full_model(os.path.join(tmp, "plain", "checkpoints"))
     b = read_full_model(os.path.join(tmp, "fault", "checkpoints"))
     assert sorted(a) == sorted(b) and len(a) == 29

@@ -54,7 +54,13 @@ from megashard._compat.dtensor_gather import (
     probe_gloo_cuda_dtensor_gather,
     probe_verdict,
 )
-from megashard._compat.elastic import capture_rendezvous_handlers, elastic_agent_gives_up_on, rendezvous_joined
+from megashard._compat.elastic import (
+    RENDEZVOUS_ROUND_ENV,
+    capture_rendezvous_handlers,
+    elastic_agent_gives_up_on,
+    export_rendezvous_round,
+    rendezvous_joined,
+)
 from megashard._compat.funcol import (
     FUNCTIONAL_COLLECTIVES,
     functional_collectives,
@@ -66,15 +72,17 @@ from megashard._compat.pipelining import pipeline_stage_class
 from megashard._compat.version import TORCH_VERSION
 
 __all__ = [
-    "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "TORCH_VERSION", "adam_init_group",
-    "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers", "functional_collectives",
-    "functional_group_name", "hook_functional_outputs", "rendezvous_joined", "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class",
-    "dcp_flatten_state_dict", "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed",
-    "dcp_narrow_tensor_by_index", "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes",
-    "dtensor_local", "elastic_agent_gives_up_on", "fake_store", "group_timeout", "install_numpy_free_object_collectives",
+    "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "RENDEZVOUS_ROUND_ENV", "TORCH_VERSION",
+    "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
+    "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
+    "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
+    "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes", "dtensor_local",
+    "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
+    "functional_group_name", "group_timeout", "hook_functional_outputs", "install_numpy_free_object_collectives",
     "live_process_group_count", "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout",
-    "pipeline_stage_class", "probe_gloo_cuda_dtensor_gather", "probe_verdict", "strided_shard_class",
-    "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
+    "pipeline_stage_class", "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined",
+    "strided_shard_class", "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at",
+    "wrap_backend_creator",
 ]
 
 

@@ -1,14 +1,24 @@
-"""torchrun's elastic agent (:mod:`megashard.launch.agent`): stop instead of restarting on errors a restart cannot fix;
-and its rendezvous (:mod:`megashard.launch.startwatch`: which nodes joined while one is missing).
+"""torchrun's elastic agent (:mod:`megashard.launch.agent`): stop instead of restarting on errors a restart cannot fix,
+and count a node that left as a membership change (elastic jobs), not a restart; and its rendezvous
+(:mod:`megashard.launch.startwatch`: which nodes joined while one is missing).
 """
 from __future__ import annotations
 
+import signal
+from typing import Callable, Optional
 
-def elastic_agent_gives_up_on(exit_codes: frozenset) -> bool:
+
+def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[int] = None,
+                              on_membership: Optional[Callable[[], None]] = None) -> bool:
     """Make the elastic agent ``torch.distributed.run`` builds (``LocalElasticAgent``, private monitoring loop) stop
     instead of restarting the workers when a failed worker exited with one of ``exit_codes``: an error a restart
     cannot fix (a bad config, a checkpoint of another model) must not burn ``--max-restarts``. The job then ends as
-    if no restarts were left (ChildFailedError). Returns False where this torch's agent has another shape."""
+    if no restarts were left (ChildFailedError).
+
+    ``membership_code`` (an elastic job): when the failed workers of this node exited with it (they lost their peers:
+    another node left; the others were stopped by the agent with SIGTERM), the restart that re-forms the world does
+    not use up ``--max-restarts`` — a node leaving is a membership change, as torch counts a node joining;
+    ``on_membership()`` is called then (before the agent logs its restart). Returns False where this torch's agent has another shape."""
     try:
         import torch.distributed.launcher.api as launcher_api
         from torch.distributed.elastic.agent.server.api import WorkerState
@@ -19,17 +29,27 @@ def elastic_agent_gives_up_on(exit_codes: frozenset) -> bool:
         return False
     if getattr(base, "_megashard_gives_up_on", None) is not None:
         base._megashard_gives_up_on = frozenset(exit_codes)
+        base._megashard_membership_code = membership_code
+        base._megashard_on_membership = staticmethod(on_membership) if on_membership else None
         return True
 
     class Agent(base):  # type: ignore[misc, valid-type]
         _megashard_gives_up_on = frozenset(exit_codes)
+        _megashard_membership_code = membership_code
+        _megashard_on_membership = staticmethod(on_membership) if on_membership else None
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001 - torch's signature
             result = super()._monitor_workers(worker_group)
             failures = getattr(result, "failures", None) or {}
-            if result.state == WorkerState.FAILED and any(
-                    getattr(f, "exitcode", None) in self._megashard_gives_up_on for f in failures.values()):
+            codes = {getattr(f, "exitcode", None) for f in failures.values()}
+            if result.state == WorkerState.FAILED and codes & self._megashard_gives_up_on:
                 self._remaining_restarts = 0
+            elif (result.state == WorkerState.FAILED and self._megashard_membership_code in codes
+                  and codes <= {self._megashard_membership_code, -int(signal.SIGTERM)}):
+                # (-SIGTERM: the agent stops this node's other workers when the first one exits: not a failure)
+                self._remaining_restarts += 1  # the agent takes one off for the restart: a node left, none failed here
+                if self._megashard_on_membership is not None:
+                    self._megashard_on_membership()
             return result
 
     launcher_api.LocalElasticAgent = Agent
@@ -41,22 +61,7 @@ def capture_rendezvous_handlers(sink: list) -> bool:
     """Append every rendezvous handler torchrun's launcher creates (in this process) to ``sink``: the launcher's
     ``rdzv_registry.get_rendezvous_handler`` is wrapped (looked up as a module attribute at launch). False where this
     torch's launcher has another shape."""
-    try:
-        import torch.distributed.launcher.api as launcher_api
-    except ImportError:  # pragma: no cover
-        return False
-    registry = getattr(launcher_api, "rdzv_registry", None)
-    original = getattr(registry, "get_rendezvous_handler", None)
-    if original is None:  # pragma: no cover
-        return False
-
-    def get_rendezvous_handler(params, *args, **kwargs):
-        handler = original(params, *args, **kwargs)
-        sink.append(handler)
-        return handler
-
-    registry.get_rendezvous_handler = get_rendezvous_handler
-    return True
+    return _on_rendezvous_handler(sink.append)
 
 
 def rendezvous_joined(handler) -> list[str] | None:
@@ -68,3 +73,57 @@ def rendezvous_joined(handler) -> list[str] | None:
         return None
     nodes = list(getattr(state, "participants", {}) or {}) + list(getattr(state, "wait_list", ()) or ())
     return [f"{getattr(n, 'addr', '?')}:{getattr(n, 'pid', '?')}" for n in nodes]
+
+
+# --- which world the workers start in (megashard.doctor: every rank of one rendezvous round shares its records) -----
+#: The environment variable through which megashard's agent tells its workers the rendezvous round they started in.
+RENDEZVOUS_ROUND_ENV = "MEGASHARD_RDZV_ROUND"
+
+
+def export_rendezvous_round(env_name: str) -> bool:
+    """After each rendezvous torchrun's launcher completes in this process, set ``os.environ[env_name]`` to the round
+    it completed (a dynamic rendezvous — c10d, etcd — numbers its rounds in state shared by every node: the ranks of
+    one world see one number, a later world a higher one). The workers started next inherit it (torch's subprocess
+    handler copies this process's environment). Reads torch's private ``_state_holder.state.round``; a rendezvous
+    without it (static) leaves the variable unset. False where this torch's launcher has another shape."""
+    import os
+
+    def after(handler) -> None:  # noqa: ANN001 - torch's RendezvousHandler
+        original = getattr(handler, "next_rendezvous", None)
+        if original is None or getattr(original, "_megashard_round", False):
+            return
+
+        def next_rendezvous(*args, **kwargs):
+            info = original(*args, **kwargs)
+            state = getattr(getattr(handler, "_state_holder", None), "state", None)
+            number = getattr(state, "round", None)
+            if isinstance(number, int) and not isinstance(number, bool):
+                os.environ[env_name] = str(number)
+            else:
+                os.environ.pop(env_name, None)
+            return info
+
+        next_rendezvous._megashard_round = True  # type: ignore[attr-defined]
+        handler.next_rendezvous = next_rendezvous
+
+    return _on_rendezvous_handler(after)
+
+
+def _on_rendezvous_handler(callback) -> bool:  # noqa: ANN001
+    """Call ``callback(handler)`` for every rendezvous handler torchrun's launcher creates in this process."""
+    try:
+        import torch.distributed.launcher.api as launcher_api
+    except ImportError:  # pragma: no cover
+        return False
+    registry = getattr(launcher_api, "rdzv_registry", None)
+    original = getattr(registry, "get_rendezvous_handler", None)
+    if original is None:  # pragma: no cover
+        return False
+
+    def get_rendezvous_handler(params, *args, **kwargs):
+        handler = original(params, *args, **kwargs)
+        callback(handler)
+        return handler
+
+    registry.get_rendezvous_handler = get_rendezvous_handler
+    return True

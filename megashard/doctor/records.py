@@ -1,13 +1,15 @@
 """The files the ranks left (``<run dir>/doctor/rank_<r>.json``), checked, sorted by run, and merged into one table.
 
-    attempts = read_attempts("runs/default")      # one Attempt per torchrun attempt of the current run
+    attempts = read_attempts("runs/default")      # one Attempt per world (torchrun attempt, elastic round) of the job
     for a in attempts.kept: print(format_table(summarize(a.records)))
 
-Every record carries the identity of its run (``run``: agreed by the ranks of one launch attempt through the store;
-``launch``: ``MEGASHARD_RUN_ID`` or torchrun's run id; ``attempt``; ``started``: when that rank's doctor started).
-A directory may also hold an earlier run's files (an 8-rank run's ``rank_4.json`` … ``rank_7.json`` after a 4-rank
-run wrote ``rank_0`` … ``rank_3``): only the newest run's records are read, the others are counted. Every file is
-checked field by field before it is used; a damaged one is named (file, key, expected type) and skipped.
+Every record carries the identity of its world (``run``: agreed by the ranks of one torchrun attempt or elastic
+rendezvous round through the store; ``world``: its number in the job, which names the directory; ``job``: shared by
+every launcher and restart of one launch; ``launch``; ``attempt``: the rank's torchrun restart count; ``started``:
+when that rank's doctor started). A directory may also hold an earlier job's files (an 8-rank run's ``rank_4.json``
+… ``rank_7.json`` after a 4-rank run wrote ``rank_0`` … ``rank_3``): only the newest job's records are read, one
+table per world, the others are counted. Every file is checked field by field before it is used; a damaged one is
+named (file, key, expected type) and skipped.
 """
 from __future__ import annotations
 
@@ -97,6 +99,9 @@ def check_record(rec: Any) -> Optional[str]:
                 return f"key 'groups.{key}.{counter}' must be an object (peer -> integer)"
     for key, ok, kind in (("run", lambda v: isinstance(v, str), "a string"),
                           ("launch", lambda v: v is None or isinstance(v, str), "a string or null"),
+                          ("job", lambda v: v is None or isinstance(v, str), "a string or null"),
+                          ("world", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                          ("attempt", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
                           ("started", _is_num, "a number (seconds since the epoch)"),
                           ("time", _is_num, "a number (seconds since the epoch)"),
                           ("state", lambda v: isinstance(v, str), "a string"),
@@ -135,8 +140,9 @@ def check_record(rec: Any) -> Optional[str]:
 
 
 def attempt_dirs(path: str) -> list[tuple[str, str]]:
-    """``(label, directory)`` of every attempt that left records under run directory ``path``: ``doctor/`` (the
-    first attempt) and ``doctor/restart_<k>/`` (after torchrun restart k), in order."""
+    """``(label, directory)`` of every world that may have left records under run directory ``path``: ``doctor/``
+    (the first world of a job) and ``doctor/restart_<k>/`` (world k: after a torchrun restart, or an elastic job's
+    new world), in order."""
     d = os.path.join(path, "doctor")
     if not os.path.isdir(d):
         return [("records", path)] if os.path.isdir(path) else []
@@ -183,7 +189,7 @@ def _started(rec: Mapping[str, Any]) -> float:
 
 @dataclass
 class Attempt:
-    """The records of one attempt directory that belong to the run shown."""
+    """The records of one world (one run id: every rank of one torchrun attempt or elastic rendezvous round)."""
 
     label: str
     directory: str
@@ -193,44 +199,53 @@ class Attempt:
 
 @dataclass
 class RunRecords:
-    """What ``megashard doctor`` read: the attempts of the current run, and what it left aside."""
+    """What ``megashard doctor`` read: the worlds of the current job, oldest first (the last one is the newest), and
+    what it left aside."""
 
     kept: list[Attempt] = field(default_factory=list)
     other_runs: dict[str, list[int]] = field(default_factory=dict)
-    """run id -> ranks of its records that were ignored (another, earlier run)."""
+    """run id -> ranks of its records that were ignored (another job's or launch's, earlier)."""
     damaged: list[tuple[str, str]] = field(default_factory=list)
     """(file, problem) of every file skipped."""
 
 
+def _job_of(rec: Mapping[str, Any]) -> Optional[str]:
+    """What the worlds of one job share: ``job`` (every launcher and restart of one launch), else ``launch``."""
+    return rec.get("job") or rec.get("launch")
+
+
 def read_attempts(run_dir: str) -> RunRecords:
-    """The records of the newest run in ``run_dir`` (every attempt directory), with the rest counted."""
+    """The records of the newest job in ``run_dir``, one :class:`Attempt` per world (run id) of it, with the rest
+    counted.
+
+    Records are grouped by their run id, whatever directory holds them (records written before the ranks of one world
+    agreed on a directory, e.g. by each node's own restart count, are grouped right too); the job is the newest
+    record's, and every world of it is kept, each diagnosed alone: an earlier world's hang is never merged into the
+    current world's table. Without a job id (a script started without a launcher) only the newest world is kept."""
     out = RunRecords()
-    by_dir = []
+    runs: dict[str, dict[int, dict]] = {}
+    where: dict[str, tuple[str, str]] = {}
     for label, d in attempt_dirs(run_dir):
         records, bad = read_run_dir(d)
         out.damaged += bad
-        if records:
-            by_dir.append((label, d, records))
-    if not by_dir:
+        for rank, rec in records.items():
+            run = str(rec.get("run"))
+            if rank not in runs.setdefault(run, {}) or _started(rec) > _started(runs[run][rank]):
+                runs[run][rank] = rec
+            where.setdefault(run, (label, d))
+    if not runs:
         return out
-    newest = max((rec for _, _, recs in by_dir for rec in recs.values()), key=_started)
-    launch, first_start = newest.get("launch"), None
-    for label, d, records in by_dir:
-        runs: dict[Any, list[dict]] = {}
-        for rec in records.values():
-            runs.setdefault(rec.get("run"), []).append(rec)
-        mine = [run for run, recs in runs.items() if any(r.get("launch") == launch for r in recs)] if launch else []
-        run = max(mine or runs, key=lambda k: max(map(_started, runs[k])))
-        start = min(map(_started, runs[run]))
-        same_launch = launch is None or any(r.get("launch") == launch for r in runs[run])
-        if label == "first attempt" or first_start is None:
-            first_start = start if same_launch else None
-        keep = same_launch and (first_start is None or start >= first_start)
-        for k, recs in runs.items():
-            if k != run or not keep:
-                out.other_runs.setdefault(str(k), []).extend(r["rank"] for r in recs)
-        if keep:
-            out.kept.append(Attempt(label, d, {r["rank"]: r for r in runs[run]}, start))
+    first = {run: min(map(_started, recs.values())) for run, recs in runs.items()}
+    newest = max(runs, key=lambda run: max(map(_started, runs[run].values())))
+    job = next((_job_of(r) for r in runs[newest].values() if _job_of(r)), None)
+    for run in sorted(runs, key=lambda k: first[k]):
+        recs = runs[run]
+        mine = run == newest or (job is not None and any(_job_of(r) == job for r in recs.values()))
+        if mine:
+            label, d = where[run]
+            out.kept.append(Attempt(label, d, dict(sorted(recs.items())), first[run]))
+        else:
+            out.other_runs.setdefault(run, []).extend(sorted(recs))
     return out
 
 

@@ -33,28 +33,58 @@ from megashard.doctor.ledger import PUBLISHED_STEPS, Call, Ledger, parse_entry, 
 from megashard.doctor.stragglers import Stragglers
 from megashard.doctor.waitfor import find_cycle
 
-__all__ = ["Doctor", "default_interval"]
+__all__ = ["Doctor", "default_interval", "record_dir", "run_identity"]
 
 STORE_PREFIX = "megashard_doctor"
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
 def run_identity(store: Any) -> dict[str, Any]:
-    """What ties this rank's records to its run: ``run`` — one id for every rank of this launch attempt, agreed
-    through the store without a collective (the first rank to ask sets it) —, ``launch`` (``MEGASHARD_RUN_ID`` of
-    ``megashard run``, else torchrun's run id, else None), ``attempt`` (torchrun's restart count) and ``started``
-    (when this rank's doctor started, seconds since the epoch)."""
+    """What ties this rank's records to its world (see the module docstring of :mod:`megashard.doctor.records`):
+
+    - ``run``: one id for every rank of this world, agreed through the store without a collective (the first rank
+      to ask sets it; the store is new for each rendezvous round under ``megashard run``, so a new world gets a new id);
+    - ``world``: the number of this world within its job, agreed with the id — the rendezvous round the workers started
+      in (megashard's agent exports it: an old node and a node that joined see the same round, while their torchrun
+      restart counts differ), else the restart count of the rank that set the id. 0 writes ``doctor/``, k > 0
+      ``doctor/restart_<k>/``;
+    - ``job``: what every launcher and restart of one launch share (``MEGASHARD_JOB_ID`` of ``megashard run``, else
+      torchrun's rendezvous id), None outside a launcher; ``launch``: ``MEGASHARD_RUN_ID``, else torchrun's id;
+    - ``attempt``: this rank's torchrun restart count; ``started``: when this rank's doctor started (seconds since the
+      epoch)."""
     import uuid
+
+    from megashard._compat import RENDEZVOUS_ROUND_ENV
 
     launch = os.environ.get("MEGASHARD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
     if launch == "none":  # torchrun's default --rdzv-id: the same for every launch
         launch = None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    attempt = int(restart) if restart.isdigit() else 0
+    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
+    job = os.environ.get("MEGASHARD_JOB_ID") or (torchrun if torchrun and torchrun != "none" else None)
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT") or 0
+    world = _env_int(RENDEZVOUS_ROUND_ENV)
+    world = attempt if world is None else world
     mine = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
     try:
-        run = store.compare_set("run", "", mine)
-        run = run.decode("utf-8", "replace") if isinstance(run, bytes) else str(run)
+        agreed = store.compare_set("run", "", json.dumps({"run": mine, "world": world}))
+        agreed = agreed.decode("utf-8", "replace") if isinstance(agreed, bytes) else str(agreed)
+        try:
+            value = json.loads(agreed)
+            run, world = str(value["run"]), int(value["world"])
+        except (ValueError, TypeError, KeyError):  # another doctor's plain id
+            run = agreed
     except Exception:  # noqa: BLE001 - a store without compare_set: the launch's id, if any
-        run = f"{launch}/{attempt}" if launch else mine
-    return {"run": run, "launch": launch, "attempt": attempt, "started": time.time()}
+        run = f"{launch}/{world}" if launch else mine
+    return {"run": run, "world": world, "job": job, "launch": launch, "attempt": attempt, "started": time.time()}
+
+
+def record_dir(out_dir: str, world: Any) -> str:
+    """Where the ranks of world number ``world`` write their records: ``<out_dir>/doctor`` for the first world of a
+    job, ``<out_dir>/doctor/restart_<k>`` for world k > 0 (a torchrun restart, or a new world of an elastic job)."""
+    d = os.path.join(out_dir, "doctor")
+    return os.path.join(d, f"restart_{world}") if isinstance(world, int) and world > 0 else d
 
 
 def default_interval(timeout: float) -> float:
@@ -82,9 +112,9 @@ class Doctor:
 
     Args:
         timeout: seconds after which an open call is a hang (``parallel.timeout``).
-        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), after a torchrun
-            restart (``TORCHELASTIC_RESTART_COUNT`` k > 0) to ``<out_dir>/doctor/restart_<k>/``, so that the records of
-            the attempt that hung are kept.
+        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), in a later world
+            of the job (a torchrun restart, an elastic job's new world: number k > 0, agreed by its ranks) to
+            ``<out_dir>/doctor/restart_<k>/``, so that the records of the world that hung are kept.
         interval: seconds between publications (default :func:`default_interval`).
         store: a ``torch.distributed.Store`` (default: the default group's, cloned).
         stream: where the line goes (default stderr).
@@ -382,10 +412,7 @@ class Doctor:
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
         if self.straggler_report is not None:
             rec["stragglers"] = self.straggler_report
-        d = os.path.join(self.out_dir, "doctor")
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if restart.isdigit() and int(restart) > 0:
-            d = os.path.join(d, f"restart_{int(restart)}")
+        d = record_dir(self.out_dir, self.ledger.identity.get("world"))  # the same for every rank of this world
         path = os.path.join(d, f"rank_{self.ledger.rank}.json")
         try:
             os.makedirs(d, exist_ok=True)
