@@ -69,10 +69,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(format_table(s))
         if s["no_record"]:
             shown = ", ".join(map(str, s["no_record"][:16])) + (" …" if len(s["no_record"]) > 16 else "")
-            print(f"no record from rank(s) {shown} after their start: killed before they could write one (e.g. "
-                  "SIGKILL, out of memory)" + (" or never started the doctor"
-                                               if set(s["no_record"]) - set(s["started_only"]) else ""))
-        if slow[i].steps or not s["rows"]:
+            # a world followed by another of the job ended when torchrun stopped its workers (a restart, a node that
+            # joined or left): its ranks were stopped, not necessarily killed by a fault
+            why = ("stopped before they could write one (the job went on in a new world: torchrun stops the workers "
+                   "of the old one) or killed" if i < len(attempts) - 1 else "killed before they could write one")
+            print(f"no record from rank(s) {shown} after their start: {why} (e.g. SIGKILL, out of memory)"
+                  + (" or never started the doctor" if set(s["no_record"]) - set(s["started_only"]) else ""))
+        if slow[i].steps or not (s["rows"] or len(s["started_only"]) == len(s["ranks"])):
             print(format_report(slow[i]))
     if ignored_line and args.format == "table":
         print(ignored_line)
