@@ -12,7 +12,12 @@ Every mode runs three good steps (an all-reduce each) first, so that the fault i
 - ``dtensor``: a DTensor's ``full_tensor()`` (a functional all-gather) that rank 1 never joins (it sleeps in its own
   code);
 - ``nonmember``: 4 ranks; every rank registers ``new_group([0, 1])`` (on ranks 2, 3 it is not theirs); rank 0
-  all-reduces on it and rank 1 ends its script normally instead.
+  all-reduces on it and rank 1 ends its script normally instead;
+- ``sleep``: rank 1 stays in its own code for T + 3 s before all-reduce #4 (then joins);
+- ``kill``: rank 1 enters all-reduce #4 and is SIGKILLed inside it 0.2 s later; rank 0 joins after 0.5 s;
+- ``recv``: rank 1 receives from rank 0, which stays in its own code for T + 3 s before it sends.
+
+``benchmarks/doctor_hangs.py`` runs every mode and tabulates what the doctor said and when.
 """
 from __future__ import annotations
 
@@ -89,10 +94,33 @@ def main() -> None:
                 sys.exit(0)  # ends: its doctor says so at exit
             else:
                 time.sleep(t + 4)
+        elif mode == "sleep":
+            hang(rank)
+            if rank == 1:
+                time.sleep(t + 3)
+            give_up(dist.all_reduce(torch.ones(4), async_op=True), t + 4)
+        elif mode == "kill":
+            import signal
+            import threading
+
+            hang(rank)
+            if rank == 1:
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            else:
+                time.sleep(0.5)
+            give_up(dist.all_reduce(torch.ones(4), async_op=True), t)
+        elif mode == "recv":
+            hang(rank)
+            if rank == 0:
+                time.sleep(t + 3)
+                dist.send(torch.ones(4), dst=1)
+            else:
+                dist.recv(torch.ones(4), src=0)
     except RuntimeError as e:
         print(f"RAISED {rank} {str(e)[:60]}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + t + 10
-    expect = rank == 0 if mode in ("dtensor", "nonmember") else True
+    expect = {"dtensor": rank == 0, "nonmember": rank == 0, "sleep": rank == 0, "kill": rank == 0,
+              "recv": rank == 1}.get(mode, True)
     while expect and not d.findings and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(2.0)  # stay published while the peers read

@@ -122,3 +122,43 @@ def test_the_line_from_marks_and_stacks(tmp_path):
     marks[1]["phase"] = marks[3]["phase"] = "joined"
     assert describe(marks, 4, 10.0, d, now) is None  # rank 4 in init_process_group and alive: nobody is missing
     assert innermost_frame("Thread 0x1 (most recent call first):\n  File \"/a.py\", line 3 in f\n") == "/a.py:3 in f"
+
+
+def test_each_world_of_an_elastic_job_is_watched(tmp_path, monkeypatch):
+    """A new world of an elastic job starts its workers again with the same torchrun restart count (a node joined: no
+    failure); its start-up is watched anew, by the rendezvous round megashard's agent gives the workers. Before, the
+    first world's report closed the watch for the restart count, and a rank stuck in the second world went unnamed."""
+    import json
+
+    from megashard._compat import RENDEZVOUS_ROUND_ENV
+    from megashard.launch import startwatch
+
+    assert startwatch.ROUND_ENV == RENDEZVOUS_ROUND_ENV  # the worker's marks use it without importing torch
+    d = str(tmp_path)
+    monkeypatch.setenv(startwatch.DIR_ENV, d)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(RENDEZVOUS_ROUND_ENV, "3")
+    for local in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("RANK", str(local))
+        startwatch.mark("joined")
+    assert {m["attempt"] for m in startwatch.read_marks(d).values()} == {3}
+    said: list = []
+    watch = startwatch.StartWatch(d, 2, 0.4, say=said.append)
+    watch.start()
+    try:
+        time.sleep(1.0)  # the first world's due time passes: everyone joined, nothing to say
+        assert said == []
+        now = time.time()
+        for local, phase in ((0, "init"), (1, "started")):  # the next world (round 5): local rank 1 stuck importing
+            with open(os.path.join(d, f"rank_{local}.json"), "w", encoding="utf-8") as f:
+                json.dump({"local_rank": local, "rank": local, "pid": os.getpid(), "phase": phase, "time": now,
+                           "attempt": 5}, f)
+        deadline = time.monotonic() + 10
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch.stop()
+        watch.join(timeout=5)
+    assert len(said) == 1 and "1 of 2 local rank(s) did not reach init_process_group: rank 1 (local rank 1" in said[0]
+    assert ": stuck importing for " in said[0] and said[0].endswith("rank 0 waits in init_process_group for it")

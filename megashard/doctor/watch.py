@@ -148,6 +148,8 @@ class Doctor:
         """The newest straggler report (rank 0; what metrics.jsonl carries), replaced whole after each reading."""
         self.findings: list[dict[str, Any]] = []
         self.beat = 0
+        self.cpu_s = 0.0
+        """CPU seconds the doctor's background thread used so far (what it costs besides the per-call counting)."""
         self.state = "running"
         self._snap: dict[int, tuple[float, dict[int, Optional[dict]]]] = {}  # call id -> (when, records read then)
         self._reported: set[int] = set()  # ids of calls open when this rank last reported a hang
@@ -244,6 +246,7 @@ class Doctor:
                     self._compare_waits()
             except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
                 self._say(f"megashard doctor: rank {self.ledger.rank}: watcher error: {type(e).__name__}: {e}")
+            self.cpu_s = time.thread_time()  # this thread's own CPU time
 
     def _check(self) -> None:
         call = self.ledger.oldest_open()

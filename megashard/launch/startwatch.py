@@ -35,9 +35,19 @@ PHASES = ("started", "imported", "init", "joined")
 _DUMP: list = []  # the open file faulthandler writes to
 
 
+#: The rendezvous round megashard's agent gives its workers (``megashard._compat.RENDEZVOUS_ROUND_ENV``; not imported:
+#: that package loads torch, and the first mark comes before any slow import).
+ROUND_ENV = "MEGASHARD_RDZV_ROUND"
+
+
 def _attempt() -> int:
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
+    """Which start of the workers this is: the rendezvous round (a new world of an elastic job starts a new one, though
+    the restart count stays), else torchrun's restart count."""
+    for name in (ROUND_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def mark(phase: str) -> None:
@@ -190,16 +200,16 @@ class StartWatch(threading.Thread):
         self.joined_nodes = joined_nodes
         self.say = say or (lambda line: print(f"megashard run: {line}", file=sys.stderr, flush=True))
         self.lines: list[str] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._t0 = time.time()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         reported: set = set()
         seen: dict[int, float] = {}  # attempt -> when its first worker started
-        while not self._stop.wait(min(0.5, max(0.05, self.timeout / 20))):
+        while not self._halt.wait(min(0.5, max(0.05, self.timeout / 20))):
             marks = read_marks(self.d)
             attempt = max((m.get("attempt", 0) for m in marks.values()), default=None)
             now = time.time()
