@@ -26,7 +26,7 @@ STEPS = 15
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval=3", "checkpoint.keep=0", "train.dtype=float64",
           "train.plot=false", "train.micro_batch_size=4", "train.doctor=false"]
 SCENARIOS = {
-    "tp2-fsdp": ("configs/default.yaml", ["parallel.dp_shard=auto"]),
+    "tp2-fsdp": ("configs/default.yaml", ["parallel.dp_shard=auto", "train.doctor=true"]),  # + the doctor's worlds
     "pp2": ("configs/pp.yaml", ["parallel.tp=1", "parallel.dp_shard=auto", "train.microbatches=null"]),
     "hsdp": ("configs/hsdp.yaml", ["parallel.dp_outer=auto", "parallel.dp_shard=2"]),
 }
@@ -124,6 +124,48 @@ def test_each_change_is_told_in_one_line_each_and_recorded_in_the_metrics(tp2):
     from megashard.train.metrics import world_changes
 
     assert [label for _, label in world_changes(run.metrics())] == ["world 4→2", "world 2→4"]
+
+
+def test_the_doctors_records_belong_to_the_world_that_wrote_them(tp2, capsys):
+    """Every rank of one world (one rendezvous round) writes into one directory under one run id, though the node that
+    joined and the node that stayed have different torchrun restart counts; ``megashard doctor`` diagnoses each world
+    alone: the first world's hang (node B killed: its ranks 2 and 3 never came back) is not the last world's."""
+    from megashard.cli import main
+    from megashard.doctor import read_attempts
+
+    tmp, run, out = tp2
+    found = read_attempts(run.out)
+    assert not found.damaged and not found.other_runs, (found.damaged, found.other_runs)
+    kept = found.kept
+    if len(kept) == 4:  # node A alone formed a first world before B joined (a slow start): its workers only started
+        assert sorted(kept[0].records) == [0, 1] and {r["reason"] for r in kept[0].records.values()} == {"start"}
+        kept = kept[1:]
+    worlds = [(a.label, sorted(a.records), {r["world_size"] for r in a.records.values()}) for a in kept]
+    assert [(ranks, sizes) for _, ranks, sizes in worlds] == [([0, 1, 2, 3], {4}), ([0, 1], {2}),
+                                                             ([0, 1, 2, 3], {4})], worlds
+    numbers = []
+    for a in kept:
+        recs = a.records.values()
+        assert len({r["run"] for r in recs}) == 1 and len({r["world"] for r in recs}) == 1, a  # agreed by its ranks
+        assert len({r["job"] for r in recs}) == 1 and len({r["launch"] for r in recs}) >= 1, a
+        numbers.append(next(iter(recs))["world"])
+        want = os.path.join(run.out, "doctor") if numbers[-1] == 0 else os.path.join(run.out, "doctor",
+                                                                                      f"restart_{numbers[-1]}")
+        assert a.directory == want, (a.directory, want)
+    # rendezvous rounds: increasing (node A alone may have formed round 0 before B joined, its workers restarted then)
+    assert numbers == sorted(set(numbers)), numbers
+    assert len({r["run"] for a in kept for r in a.records.values()}) == 3
+    assert len({r["job"] for a in found.kept for r in a.records.values()}) == 1  # A, B and B2: one job
+    assert main(["doctor", run.out]) == 1  # the first world hung
+    text = capsys.readouterr().out
+    tables = text.split("megashard doctor: ")[1:][len(found.kept) - 3:]
+    assert len(tables) == 3, text
+    assert tables[0].startswith(f"{run.out} ({kept[0].label}): records of 2 of 4 ranks; "), text
+    assert "rank 2:" in tables[0] or "rank 3:" in tables[0], text  # the ranks of B, killed: named by A's ranks
+    assert tables[2].startswith(f"{run.out} (restart {numbers[2]}): records of 4 of 4 ranks; 0 hung operation(s)\n"
+                                "no hang recorded"), text
+    assert "no record from" not in tables[2], text
+    assert "stopped before they could write one (the job went on in a new world" in tables[1], text
 
 
 @pytest.mark.parametrize("name", ["pp2", "hsdp"])

@@ -112,18 +112,24 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     assert (change["world_size_before"], change["resumed_from"], change["last_step_before"], change["steps_redone"],
             change["nodes_left"], change["nodes_joined"]) == (4, 2, 4, 2, [], []), change
     assert change["seconds_down"] > 0 and change["seconds_redone"] > 0, change
-    # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/): the ranks that lost
-    # their peers named rank 1, which left no record (os._exit).
-    from megashard.doctor import attempt_dirs, read_run_dir, summarize
+    # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/, the rendezvous round
+    # the restarted workers share): the ranks that lost their peers named rank 1, which left only its start record
+    # (os._exit).
+    from megashard.doctor import attempt_dirs, read_attempts, read_run_dir, summarize
 
     dirs = attempt_dirs(os.path.join(tmp, "fault"))
     assert [label for label, _ in dirs] == ["first attempt", "restart 1"], dirs
     first, _ = read_run_dir(dirs[0][1])
-    assert 1 not in first and first, sorted(first)
-    rows = summarize(first)["rows"]
-    assert 1 in {r for row in rows for r in row["culprits"]}, rows
+    assert first and first[1]["reason"] == "start", {r: rec["reason"] for r, rec in first.items()}
+    summary = summarize(first)
+    assert 1 in summary["started_only"] and 1 in {r for row in summary["rows"] for r in row["culprits"]}, summary
     again, _ = read_run_dir(dirs[1][1])
     assert sorted(again) == [0, 1, 2, 3] and not any(r["findings"] for r in again.values())
+    # one identity per world: the ranks of each attempt agree on it, the two attempts differ, both of this job
+    assert len({r["run"] for r in first.values()}) == 1 and len({r["run"] for r in again.values()}) == 1
+    assert {r["world"] for r in first.values()} == {0} and {r["world"] for r in again.values()} == {1}
+    worlds = read_attempts(os.path.join(tmp, "fault"))
+    assert [a.label for a in worlds.kept] == ["first attempt", "restart 1"] and not worlds.other_runs, worlds
     a = read_full_model(os.path.join(tmp, "plain", "checkpoints"))
     b = read_full_model(os.path.join(tmp, "fault", "checkpoints"))
     assert sorted(a) == sorted(b) and len(a) == 29

@@ -12,7 +12,8 @@ releases; the rest of the package imports these names from this package only (``
 * ``dtensor_gather``: which releases crash gathering a DTensor on gloo with CUDA tensors, and the probe;
 * ``dcp``: torch.distributed.checkpoint (offline loading, nested dicts, the metadata allow-list, the stager);
 * ``pipelining``: the pipeline stage; ``autograd``: the checkpoint guard and Adam's ``_init_group``;
-  ``elastic``: torchrun's agent.
+  ``elastic``: torchrun's agent and its rendezvous; ``funcol``: the functional collectives (what the hang doctor
+  wraps to see DTensor's).
 
 Nothing here imports DTensor, the device mesh or yaml when imported (``import megashard.parallel_state`` must not
 pay for them): ``_StridedShard`` is looked up on first use.
@@ -53,20 +54,35 @@ from megashard._compat.dtensor_gather import (
     probe_gloo_cuda_dtensor_gather,
     probe_verdict,
 )
-from megashard._compat.elastic import elastic_agent_gives_up_on
+from megashard._compat.elastic import (
+    RENDEZVOUS_ROUND_ENV,
+    capture_rendezvous_handlers,
+    elastic_agent_gives_up_on,
+    export_rendezvous_round,
+    rendezvous_joined,
+)
+from megashard._compat.funcol import (
+    FUNCTIONAL_COLLECTIVES,
+    functional_collectives,
+    functional_group_name,
+    hook_functional_outputs,
+)
 from megashard._compat.mesh import mesh_flatten, mesh_flattened_names, mesh_release_groups
 from megashard._compat.pipelining import pipeline_stage_class
 from megashard._compat.version import TORCH_VERSION
 
 __all__ = [
-    "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "TORCH_VERSION", "adam_init_group", "autograd_checkpoint_valid",
-    "backend_options", "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class",
-    "dcp_flatten_state_dict", "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed",
-    "dcp_narrow_tensor_by_index", "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes",
-    "dtensor_local", "elastic_agent_gives_up_on", "fake_store", "group_timeout", "install_numpy_free_object_collectives",
+    "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "RENDEZVOUS_ROUND_ENV", "TORCH_VERSION",
+    "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
+    "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
+    "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
+    "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes", "dtensor_local",
+    "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
+    "functional_group_name", "group_timeout", "hook_functional_outputs", "install_numpy_free_object_collectives",
     "live_process_group_count", "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout",
-    "pipeline_stage_class", "probe_gloo_cuda_dtensor_gather", "probe_verdict", "strided_shard_class",
-    "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
+    "pipeline_stage_class", "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined",
+    "strided_shard_class", "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at",
+    "wrap_backend_creator",
 ]
 
 

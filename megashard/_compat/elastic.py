@@ -1,5 +1,6 @@
 """torchrun's elastic agent (:mod:`megashard.launch.agent`): stop instead of restarting on errors a restart cannot fix,
-and count a node that left as a membership change (elastic jobs), not a restart.
+and count a node that left as a membership change (elastic jobs), not a restart; and its rendezvous
+(:mod:`megashard.launch.startwatch`: which nodes joined while one is missing).
 """
 from __future__ import annotations
 
@@ -52,4 +53,77 @@ def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[i
             return result
 
     launcher_api.LocalElasticAgent = Agent
+    return True
+
+
+# --- torchrun's rendezvous (megashard.launch.startwatch: how many nodes joined while a node is missing) --------------
+def capture_rendezvous_handlers(sink: list) -> bool:
+    """Append every rendezvous handler torchrun's launcher creates (in this process) to ``sink``: the launcher's
+    ``rdzv_registry.get_rendezvous_handler`` is wrapped (looked up as a module attribute at launch). False where this
+    torch's launcher has another shape."""
+    return _on_rendezvous_handler(sink.append)
+
+
+def rendezvous_joined(handler) -> list[str] | None:
+    """The nodes (``host:pid``) that joined the current round of a dynamic rendezvous (c10d, etcd; torch's private
+    ``_state_holder.state``: participants, then the wait list), or None where the handler keeps no such state."""
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    if state is None:
+        return None
+    nodes = list(getattr(state, "participants", {}) or {}) + list(getattr(state, "wait_list", ()) or ())
+    return [f"{getattr(n, 'addr', '?')}:{getattr(n, 'pid', '?')}" for n in nodes]
+
+
+# --- which world the workers start in (megashard.doctor: every rank of one rendezvous round shares its records) -----
+#: The environment variable through which megashard's agent tells its workers the rendezvous round they started in.
+RENDEZVOUS_ROUND_ENV = "MEGASHARD_RDZV_ROUND"
+
+
+def export_rendezvous_round(env_name: str) -> bool:
+    """After each rendezvous torchrun's launcher completes in this process, set ``os.environ[env_name]`` to the round
+    it completed (a dynamic rendezvous — c10d, etcd — numbers its rounds in state shared by every node: the ranks of
+    one world see one number, a later world a higher one). The workers started next inherit it (torch's subprocess
+    handler copies this process's environment). Reads torch's private ``_state_holder.state.round``; a rendezvous
+    without it (static) leaves the variable unset. False where this torch's launcher has another shape."""
+    import os
+
+    def after(handler) -> None:  # noqa: ANN001 - torch's RendezvousHandler
+        original = getattr(handler, "next_rendezvous", None)
+        if original is None or getattr(original, "_megashard_round", False):
+            return
+
+        def next_rendezvous(*args, **kwargs):
+            info = original(*args, **kwargs)
+            state = getattr(getattr(handler, "_state_holder", None), "state", None)
+            number = getattr(state, "round", None)
+            if isinstance(number, int) and not isinstance(number, bool):
+                os.environ[env_name] = str(number)
+            else:
+                os.environ.pop(env_name, None)
+            return info
+
+        next_rendezvous._megashard_round = True  # type: ignore[attr-defined]
+        handler.next_rendezvous = next_rendezvous
+
+    return _on_rendezvous_handler(after)
+
+
+def _on_rendezvous_handler(callback) -> bool:  # noqa: ANN001
+    """Call ``callback(handler)`` for every rendezvous handler torchrun's launcher creates in this process."""
+    try:
+        import torch.distributed.launcher.api as launcher_api
+    except ImportError:  # pragma: no cover
+        return False
+    registry = getattr(launcher_api, "rdzv_registry", None)
+    original = getattr(registry, "get_rendezvous_handler", None)
+    if original is None:  # pragma: no cover
+        return False
+
+    def get_rendezvous_handler(params, *args, **kwargs):
+        handler = original(params, *args, **kwargs)
+        callback(handler)
+        return handler
+
+    registry.get_rendezvous_handler = get_rendezvous_handler
     return True

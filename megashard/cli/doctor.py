@@ -16,8 +16,11 @@ def add(sub: argparse._SubParsersAction) -> None:
             "Read RUN_DIR/doctor/rank_<r>.json (written by every rank of a job with the hang doctor on: train.doctor, "
             "or megashard.doctor.enable(out_dir=...)) and print, for every collective that did not finish within "
             "parallel.timeout, its group and ranks, the operation and its number on that group, the step, the ranks "
-            "that waited, and the ranks that never reached it with what each was doing instead. Ranks that left no "
-            "record are named (a process killed by SIGKILL writes none). See docs/doctor.md."
+            "that waited, and the ranks that never reached it with what each was doing instead (a rank that died "
+            "inside it is said so), mismatched calls rank by rank and deadlocks; ranks that left no record after their "
+            "start are named; then the stragglers (per group the rank that arrives last most often and by how much, "
+            "and the ranks named slow). Only the newest run's records are read; a damaged record is named and skipped. "
+            "See docs/doctor.md."
         ),
         epilog=("examples:\n  megashard doctor runs/default\n  megashard doctor runs/default --format json\n"
                 "\nexit codes: 0 no hang recorded, 1 hangs recorded (the table), 2 usage or no records in RUN_DIR"),
@@ -29,31 +32,51 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from megashard.doctor.diagnose import attempt_dirs, format_table, read_run_dir, summarize
+    from megashard.doctor.records import format_table, read_attempts, summarize
     from megashard.errors import ConfigError
 
     if not os.path.isdir(args.run_dir):
         raise ConfigError(f"RUN_DIR {args.run_dir}: no such directory; give a job's train.out_dir (e.g. runs/default)")
-    attempts = []
-    for label, d in attempt_dirs(args.run_dir):
-        records, bad = read_run_dir(d)
-        for path in bad:
-            print(f"megashard doctor: warning: {path} is damaged or not a doctor record: skipped", file=sys.stderr)
-        if records:
-            attempts.append((label, d, summarize(records)))
-    if not attempts:
+    found = read_attempts(args.run_dir)
+    for path, problem in found.damaged:
+        print(f"megashard doctor: warning: {path}: {problem}: skipped", file=sys.stderr)
+    if not found.kept:
+        if found.damaged:
+            raise ConfigError(f"RUN_DIR {args.run_dir}: every doctor record found ({len(found.damaged)} file(s), "
+                              "named above) is damaged or not a doctor record: nothing to diagnose")
         raise ConfigError(f"RUN_DIR {args.run_dir}: no doctor records (doctor/rank_<r>.json); the job ran without "
                           "the hang doctor (train.doctor=false) or never started")
+    attempts = [(a.label, a.directory, summarize(a.records)) for a in found.kept]
+    ignored = sum(len(v) for v in found.other_runs.values())
+    ignored_line = (f"ignored {ignored} record(s) of {len(found.other_runs)} other run(s) in {args.run_dir} "
+                    f"(run {', '.join(sorted(found.other_runs))[:120]}): an earlier job's files, not this run's"
+                    if ignored else "")
+    from megashard.doctor.stragglers import format_report, from_records
+
+    slow = [from_records(a.records) for a in found.kept]
     if args.format == "json":
-        out = [dict(s, attempt=label, dir=d) for label, d, s in attempts]
-        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
-    for label, d, s in attempts if args.format == "table" else ():
+        out = [dict(s, attempt=label, dir=d, run=found.kept[i].records[min(found.kept[i].records)].get("run"),
+                    stragglers=slow[i].report())
+               for i, (label, d, s) in enumerate(attempts)]
+        data = out[0] if len(out) == 1 else out
+        if isinstance(data, dict):
+            data = dict(data, ignored_other_runs=found.other_runs, damaged=[p for p, _ in found.damaged])
+        print(json.dumps(data, indent=1))
+    for i, (label, d, s) in enumerate(attempts if args.format == "table" else ()):
         where = args.run_dir if len(attempts) == 1 else f"{args.run_dir} ({label})"
-        print(f"megashard doctor: {where}: records of {len(s['ranks'])} of {s['world_size']} ranks; "
-              f"{len(s['rows'])} hung operation(s)")
+        print(f"megashard doctor: {where}: records of {len(s['ranks']) - len(s['started_only'])} of "
+              f"{s['world_size']} ranks; {len(s['rows'])} hung operation(s)")
         print(format_table(s))
         if s["no_record"]:
             shown = ", ".join(map(str, s["no_record"][:16])) + (" …" if len(s["no_record"]) > 16 else "")
-            print(f"no record from rank(s) {shown}: killed before they could write one (e.g. SIGKILL, out of memory) "
-                  "or never started the doctor")
+            # a world followed by another of the job ended when torchrun stopped its workers (a restart, a node that
+            # joined or left): its ranks were stopped, not necessarily killed by a fault
+            why = ("stopped before they could write one (the job went on in a new world: torchrun stops the workers "
+                   "of the old one) or killed" if i < len(attempts) - 1 else "killed before they could write one")
+            print(f"no record from rank(s) {shown} after their start: {why} (e.g. SIGKILL, out of memory)"
+                  + (" or never started the doctor" if set(s["no_record"]) - set(s["started_only"]) else ""))
+        if slow[i].steps or not (s["rows"] or len(s["started_only"]) == len(s["ranks"])):
+            print(format_report(slow[i]))
+    if ignored_line and args.format == "table":
+        print(ignored_line)
     return 1 if any(s["rows"] for _, _, s in attempts) else 0

@@ -11,20 +11,23 @@ what they do instead; ``megashard doctor RUN_DIR`` prints the same after the fac
     megashard.doctor.disable()                                # also at exit
 
 ``megashard run`` turns it on for the training job (``train.doctor``, default true). Modules: ``ledger`` (in-memory
-counters per group: the fast path), ``intercept`` (torch.distributed's collectives wrapped while enabled),
-``watch`` (the background thread, the store, the report), ``diagnose`` (records -> the line and the table).
-See docs/doctor.md.
+counters per group: the fast path), ``intercept`` (torch.distributed's collectives, and the functional ones DTensor
+uses, wrapped while enabled), ``watch`` (the background thread, the store, the report), ``diagnose`` (records -> the
+line), ``waitfor`` (deadlock cycles), ``records`` (the files, checked and sorted by run -> the table),
+``stragglers`` (which ranks arrive last at the collectives, and by how much). See docs/doctor.md.
 """
 from __future__ import annotations
 
 import atexit
+import os
 from typing import IO, Any, Optional
 
-from megashard.doctor.diagnose import NO_HEARTBEAT, attempt_dirs, format_table, read_run_dir, summarize
+from megashard.doctor.diagnose import NO_HEARTBEAT
+from megashard.doctor.records import attempt_dirs, format_table, read_attempts, read_run_dir, summarize
 from megashard.doctor.watch import Doctor, default_interval
 
 __all__ = ["Doctor", "NO_HEARTBEAT", "attempt_dirs", "current", "default_interval", "disable", "enable", "format_table",
-           "read_run_dir", "set_step", "summarize"]
+           "read_attempts", "read_run_dir", "register", "set_step", "summarize"]
 
 _CURRENT: list[Optional[Doctor]] = [None]
 _AT_EXIT: list[bool] = [False]
@@ -44,27 +47,67 @@ def enable(state: Any = None, *, timeout: Optional[float] = None, out_dir: Optio
 
     if _CURRENT[0] is not None:
         raise StateError("the hang doctor is already enabled in this process: call megashard.doctor.disable() first")
+    _check_arguments(state, timeout, out_dir, interval, store, stream)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise StateError("megashard.doctor.enable() needs torch.distributed initialised: call "
+                         "megashard.initialize(...) (or torch.distributed.init_process_group(...)) first")
     if state is None and ms.is_initialized():
         state = ms.get_parallel_state()
     if timeout is None:
         if state is None:
             raise ConfigError("megashard.doctor.enable() needs timeout= (seconds) when no ParallelState is given")
         timeout = state.config.timeout
-    if not timeout or timeout <= 0:
-        raise ConfigError(f"megashard.doctor.enable(timeout={timeout!r}): the timeout must be a positive number of "
-                          "seconds (parallel.timeout)")
+    out_dir = os.fspath(out_dir) if out_dir is not None else None
     doctor = Doctor(timeout, out_dir, interval=interval, store=store, stream=stream)
     if state is not None:
         doctor.register_state(state)
     else:
-        import torch.distributed as dist
-
         doctor.ledger.register(dist.group.WORLD, "world", range(dist.get_world_size()), default=True)
     _CURRENT[0] = doctor.start()
     if not _AT_EXIT[0]:
         atexit.register(disable)  # files written and torch's functions back even if the script never disables
         _AT_EXIT[0] = True
     return doctor
+
+
+def _check_arguments(state: Any, timeout: Any, out_dir: Any, interval: Any, store: Any, stream: Any) -> None:
+    """The arguments of :func:`enable`, checked as the config checks ``parallel.timeout`` (one line each)."""
+    import os
+
+    from megashard.config.parallel import MAX_TIMEOUT
+    from megashard.errors import ConfigError
+
+    def seconds(name: str, value: Any, upper: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= upper:  # nan, inf too
+            raise ConfigError(f"megashard.doctor.enable({name}={value!r}): {name} must be a positive number of "
+                              f"seconds, at most {upper:.0e}" + (" (as parallel.timeout)" if name == "timeout" else ""))
+
+    if timeout is not None:
+        seconds("timeout", timeout, MAX_TIMEOUT)
+    if interval is not None:
+        seconds("interval", interval, float(timeout) if timeout is not None else MAX_TIMEOUT)
+    if state is not None and not (hasattr(state, "named_groups") and hasattr(state, "config")):
+        raise ConfigError(f"megashard.doctor.enable(state={state!r:.60}): a megashard ParallelState is expected (what "
+                          "megashard.initialize returns), or None")
+    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+        raise ConfigError(f"megashard.doctor.enable(out_dir={out_dir!r:.60}): a directory path (str) is expected, or "
+                          "None for no files")
+    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"megashard.doctor.enable(out_dir={os.fspath(out_dir)!r}): exists and is not a directory")
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise ConfigError(f"megashard.doctor.enable(stream={stream!r:.60}): a text stream (with write) is expected")
+    if store is not None and not all(callable(getattr(store, m, None)) for m in ("set", "get", "check")):
+        raise ConfigError(f"megashard.doctor.enable(store={store!r:.60}): a torch.distributed.Store is expected")
+
+
+def register(pg: Any, name: str, ranks: Any = None) -> None:
+    """Watch the collectives on process group ``pg`` as ``name`` (every rank may call it; a no-op on ranks outside
+    the group and when the doctor is off)."""
+    doctor = _CURRENT[0]
+    if doctor is not None:
+        doctor.register(pg, name, ranks)
 
 
 def disable(reason: str = "exit") -> None:
@@ -83,4 +126,4 @@ def set_step(step: int) -> None:
     """Tell the doctor the training step (shown next to every rank's last collective); free when it is off."""
     doctor = _CURRENT[0]
     if doctor is not None:
-        doctor.ledger.step = step
+        doctor.ledger.set_step(step)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -43,11 +44,13 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 _ACTIVE: list = [None]  # the installed Doctor
 _ORIGINALS: dict[str, Callable] = {}
+_FUNCTIONAL: dict[str, Callable] = {}  # torch.distributed._functional_collectives' own functions, while wrapped
+_UNDO: list = []
 _TLS = threading.local()
 
 
 def installed() -> bool:
-    return bool(_ORIGINALS)
+    return bool(_ORIGINALS or _FUNCTIONAL)
 
 
 def _param_index(fn: Callable, name: str) -> int:
@@ -79,6 +82,29 @@ class _EventProbe:
         return self.event.query()
 
 
+_TENSOR_PARAMS = ("tensor", "input_tensor", "input", "tensors", "input_tensor_list", "output_tensor", "output")
+_SIGS: dict = {}  # (dtype, shape, list length) -> its text
+
+
+def _sig(t: Any) -> str:
+    """``float32[4, 8]`` for a tensor (``float32[4]×3`` for a list of them), "" for anything else. About a µs: the
+    text of a (dtype, shape) seen before is looked up."""
+    n = 1
+    if isinstance(t, (list, tuple)):
+        n = len(t)
+        t = t[0] if t else None
+    shape = getattr(t, "shape", None)
+    if shape is None:
+        return ""
+    key = (t.dtype, shape, n)
+    text = _SIGS.get(key)
+    if text is None:
+        if len(_SIGS) > 4096:  # a job with ever new shapes: start over
+            _SIGS.clear()
+        text = _SIGS[key] = str(t.dtype).replace("torch.", "") + str(list(shape)) + (f"×{n}" if n > 1 else "")
+    return text
+
+
 def _p2p_parts(name: str, args: tuple, kwargs: dict, track: Any, idx: dict) -> tuple[tuple[str, int], ...]:
     direction = "send" if "send" in name else "recv"
     peer = _arg(args, kwargs, "dst" if direction == "send" else "src", idx["peer"])
@@ -92,6 +118,8 @@ def _wrap(name: str, fn: Callable) -> Callable:
     p2p = name in POINT_TO_POINT
     idx = {"group": _param_index(fn, "group"), "async": _param_index(fn, "async_op"),
            "peer": _param_index(fn, "dst" if "send" in name else "src")}
+    tensor_param = next((p for p in _TENSOR_PARAMS if _param_index(fn, p) >= 0), None)
+    idx["tensor"] = _param_index(fn, tensor_param) if tensor_param else -1
     always_async = name in ("isend", "irecv", "batch_isend_irecv")
 
     @functools.wraps(fn)
@@ -115,7 +143,9 @@ def _wrap(name: str, fn: Callable) -> Callable:
             parts = _p2p_parts(name, args, kwargs, track, idx)
         else:
             parts = ()
-        call = ledger.begin(track, name, parts)
+        sig = _sig(_arg(args, kwargs, tensor_param, idx["tensor"])) if tensor_param else ""
+        call = ledger.begin(track, name, parts, sig)
+        doctor.board.write(ledger.entry_line(call))  # before torch runs it: a rank that dies inside is seen inside
         _TLS.depth = 1
         try:
             out = fn(*args, **kwargs)
@@ -133,11 +163,109 @@ def _wrap(name: str, fn: Callable) -> Callable:
         elif track.cuda:
             call.work = _EventProbe()
         else:
+            ledger.end(call, sync=True)
+        return out
+
+    wrapper._megashard_doctor = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _TensorProbe:
+    """An output of a functional collective still in flight: finished when ``wait_tensor`` is called on it (the
+    caller's first use of the result) or when it was freed unused (``is_completed``)."""
+
+    __slots__ = ("keys", "ref")
+
+    def __init__(self, raw: Any, wrapped: Any) -> None:
+        import weakref
+
+        elem = getattr(wrapped, "elem", None)
+        self.keys = (id(raw),) if elem is None or elem is raw else (id(raw), id(elem))
+        self.ref = weakref.ref(raw)
+
+    def is_completed(self) -> bool:
+        return self.ref() is None
+
+    def exception(self) -> None:
+        return None
+
+
+def _on_functional_output(raw: Any, wrapped: Any) -> None:
+    outs = getattr(_TLS, "outputs", None)
+    if outs is not None and _ACTIVE[0] is not None:
+        try:
+            outs.append(_TensorProbe(raw, wrapped))
+        except TypeError:  # not weak-referenceable (a traced value): nothing to wait for
+            pass
+
+
+def _wrap_functional(name: str, fn: Callable) -> Callable:
+    """A functional collective (``funcol.all_reduce``, what DTensor's redistribution calls): counted on its group
+    (resolved from a ProcessGroup, a mesh dimension, ranks or a name) like any collective; open until its output is
+    waited on (``wait_tensor``: the first use of the result) or freed."""
+    from megashard._compat import functional_group_name
+
+    gidx, tidx = _param_index(fn, "group"), _param_index(fn, "self")
+    if tidx < 0:
+        tidx = _param_index(fn, "inputs")
+    tag_idx = _param_index(fn, "tag")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        doctor = _ACTIVE[0]
+        if doctor is None or getattr(_TLS, "depth", 0):
+            return fn(*args, **kwargs)
+        try:
+            key = functional_group_name(_arg(args, kwargs, "group", gidx), _arg(args, kwargs, "tag", tag_idx, ""))
+        except Exception:  # noqa: BLE001 - a group torch itself will refuse: its own error, unseen
+            return fn(*args, **kwargs)
+        ledger = doctor.ledger
+        track = ledger.by_pg_name.get(key)
+        if track is None:
+            return fn(*args, **kwargs)
+        call = ledger.begin(track, name, (), _sig(_arg(args, kwargs, "self", tidx)))
+        doctor.entered(call)
+        _TLS.depth, _TLS.outputs = 1, []
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            _TLS.depth, _TLS.outputs = 0, None
+            doctor.on_error(call, e)
+            ledger.end(call)
+            raise
+        probes, _TLS.depth, _TLS.outputs = _TLS.outputs, 0, None
+        if probes:
+            ledger.hold(call, probes)
+        else:  # waited inside (traced, or a gather along another dim)
             ledger.end(call)
         return out
 
     wrapper._megashard_doctor = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _wrap_wait_tensor(fn: Callable) -> Callable:
+    """``funcol.wait_tensor``: the output of a functional collective is used: its call closes."""
+
+    @functools.wraps(fn)
+    def wait_tensor(tensor: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            out = fn(tensor)
+        except BaseException as e:  # gloo's timeout, a lost peer: the call is diagnosed while still open
+            doctor = _ACTIVE[0]
+            call = doctor.ledger.held.get(id(tensor)) if doctor is not None else None
+            if call is not None:
+                doctor.on_error(call, e)
+            raise
+        doctor = _ACTIVE[0]
+        if doctor is not None:
+            doctor.ledger.blocked(id(tensor), time.monotonic() - t0)
+            doctor.ledger.waited(tensor)
+        return out
+
+    wait_tensor._megashard_doctor = True  # type: ignore[attr-defined]
+    return wait_tensor
 
 
 def _wrap_wait(fn: Callable) -> Callable:
@@ -148,9 +276,19 @@ def _wrap_wait(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = fn(self, *args, **kwargs)
         doctor = _ACTIVE[0]
-        if doctor is not None and out is not False:
+        if doctor is None or id(self) not in doctor.ledger.held:  # torch's own wait inside a synchronous call
+            return fn(self, *args, **kwargs)
+        t0 = time.monotonic()
+        try:
+            out = fn(self, *args, **kwargs)
+        except BaseException as e:  # gloo's timeout, a lost peer: diagnosed while the call is still open
+            call = doctor.ledger.held.get(id(self))
+            if call is not None:
+                doctor.on_error(call, e)
+            raise
+        if out is not False:
+            doctor.ledger.blocked(id(self), time.monotonic() - t0)
             doctor.ledger.waited(self)
         return out
 
@@ -178,6 +316,25 @@ def install(doctor: Any) -> None:
     if wait is not None and not getattr(wait, "_megashard_doctor", False):
         _ORIGINALS["Work.wait"] = wait
         dist.Work.wait = _wrap_wait(wait)
+    _install_functional()
+
+
+def _install_functional() -> None:
+    from megashard._compat import FUNCTIONAL_COLLECTIVES, functional_collectives, hook_functional_outputs
+
+    funcol = functional_collectives()
+    if funcol is None:
+        return
+    undo = hook_functional_outputs(_on_functional_output)
+    if undo is None:  # no way to see the outputs: the calls could never be closed
+        return
+    _UNDO.append(undo)
+    for name in (*FUNCTIONAL_COLLECTIVES, "wait_tensor"):
+        fn = getattr(funcol, name, None)
+        if fn is None or getattr(fn, "_megashard_doctor", False):
+            continue
+        _FUNCTIONAL[name] = fn
+        setattr(funcol, name, _wrap_wait_tensor(fn) if name == "wait_tensor" else _wrap_functional(name, fn))
 
 
 def uninstall() -> None:
@@ -191,3 +348,14 @@ def uninstall() -> None:
             setattr(dist, name, fn)
         setattr(c10d, name, fn)
     _ORIGINALS.clear()
+    funcol = None
+    if _FUNCTIONAL:
+        from megashard._compat import functional_collectives
+
+        funcol = functional_collectives()
+    for name, fn in _FUNCTIONAL.items():
+        if getattr(getattr(funcol, name, None), "_megashard_doctor", False):
+            setattr(funcol, name, fn)
+    _FUNCTIONAL.clear()
+    while _UNDO:
+        _UNDO.pop()()

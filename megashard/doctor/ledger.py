@@ -10,9 +10,15 @@ ranks, so its first rank tells them apart): ``tp:4`` is the tp group of ranks 4,
 - collectives: the n-th collective a rank *starts* on a group is ``#n`` there (the same n on every member, since
   members issue a group's collectives in the same order) — a peer whose count is below n never reached ``#n``;
 - point-to-point operations per peer: the k-th send to rank p is matched by p's k-th receive from this rank.
+
+Each call also carries its *signature* (``all_reduce float32[4]``: the operation and the dtype and shape of its
+tensor), so that members of one call that disagree are named rank by rank, and the time every synchronous call took:
+summed per group and step (:meth:`Ledger.set_step`), the wait of each rank for the last one to arrive — what
+:mod:`megashard.doctor.stragglers` compares across ranks.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import socket
@@ -20,7 +26,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-__all__ = ["Call", "GroupTrack", "Ledger", "describe_call"]
+__all__ = ["Call", "GroupTrack", "Ledger", "describe_call", "STEP_LOG", "PUBLISHED_STEPS"]
+
+STEP_LOG = 10000
+"""Completed steps whose per-group waits a rank keeps (in memory and in its file): about 100 bytes each."""
+PUBLISHED_STEPS = 32
+"""Completed steps whose waits each published record carries (rank 0 compares them across ranks)."""
+REPLICA_NAMES = ("tp_dp_cp", "tp_dp", "dp_cp", "dp", "world")
+"""megashard's groups whose members do the same work (every rank of one pipeline stage; else its data-parallel
+replicas; else everyone): the first of these a rank has is its *peers*, among which a straggler is one that spends
+longer outside the collectives."""
 
 
 @dataclass(eq=False)
@@ -39,6 +54,10 @@ class GroupTrack:
     """peer (global rank) -> point-to-point receives started from it."""
     cuda: bool = False
     """NCCL (a CUDA communicator): a synchronous call has only been enqueued when it returns."""
+    wait_s: float = 0.0
+    """Seconds this rank spent in synchronous collectives on this group during the current step."""
+    waits: int = 0
+    """Synchronous collectives timed in the current step."""
 
     @property
     def name(self) -> str:
@@ -61,15 +80,29 @@ class Call:
     work: Any = None
     """The Work (or list of Works) of an asynchronous call; finished when every one ``is_completed()``."""
     cid: int = 0
+    sig: str = ""
+    """``float32[4]``: dtype and shape of the call's tensor (empty for object and barrier calls)."""
+    entry: int = 0
+    """This rank's count of calls started when it started this one."""
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"group": self.track.key, "name": self.track.name, "op": self.op, "seq": self.seq,
                              "step": self.step}
+        if self.sig:
+            d["sig"] = self.sig
         if self.p2p:
             d["p2p"] = [list(p) for p in self.p2p]
         if now is not None:
             d["age_s"] = round(now - self.t0, 3)
         return d
+
+
+def signature(c: Optional[dict[str, Any]]) -> str:
+    """``all_reduce float32[4]``: what a call summary says the rank called (its op, with its tensor's dtype and shape
+    when known)."""
+    if not c:
+        return "nothing"
+    return f"{c.get('op', '?')} {c['sig']}" if c.get("sig") else str(c.get("op", "?"))
 
 
 def describe_call(c: Optional[dict[str, Any]]) -> str:
@@ -93,12 +126,17 @@ class Ledger:
         self.pid = os.getpid()
         self.tracks: dict[int, GroupTrack] = {}  # id(process group) -> its track (the default group also under 0)
         self.by_key: dict[str, GroupTrack] = {}
+        self.by_pg_name: dict[str, GroupTrack] = {}  # torch's group name -> track (functional collectives name groups)
         self.open: dict[int, Call] = {}  # calls started and not known to be finished (the async ones until polled)
         self.held: dict[int, Call] = {}  # id(Work) -> its open call (the Work is held in call.work, so ids stay unique)
         self.last: Optional[Call] = None  # the newest finished call
         self.last_end = time.monotonic()
         self.step = 0
+        self.entries = 0  # calls started (the entry published on each call carries it: newer than a record or not)
         self._ids = itertools.count(1)
+        self.identity: dict[str, Any] = {}  # run, launch, attempt, started: set by the Doctor
+        self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG)  # (step, seconds, {group key: wait s})
+        self._step_t0: Optional[float] = None
 
     # ------------------------------------------------------------------ groups
     def register(self, pg: Any, name: str, ranks: Sequence[int], *, default: bool = False,
@@ -121,6 +159,9 @@ class Ledger:
         if default:
             self.tracks[0] = t
         self.by_key[key] = t
+        pg_name = getattr(pg, "group_name", None)
+        if isinstance(pg_name, str) and pg_name:
+            self.by_pg_name[pg_name] = t
         return t
 
     def forget_groups(self) -> None:
@@ -128,46 +169,108 @@ class Ledger:
         for t in self.by_key.values():
             t.pg = None
         self.tracks.clear()
+        self.by_pg_name.clear()
         self.open.clear()
         self.held.clear()
 
     # ------------------------------------------------------------------ calls (the fast path)
-    def begin(self, track: GroupTrack, op: str, p2p: tuple[tuple[str, int], ...] = ()) -> Call:
+    def begin(self, track: GroupTrack, op: str, p2p: tuple[tuple[str, int], ...] = (), sig: str = "") -> Call:
+        self.entries += 1
         if p2p:
             parts = []
             for direction, peer in p2p:
                 counts = track.sent if direction == "send" else track.recvd
                 k = counts[peer] = counts.get(peer, 0) + 1
                 parts.append((direction, peer, k))
-            call = Call(track, op, track.seq, time.monotonic(), self.step, tuple(parts), cid=next(self._ids))
+            call = Call(track, op, track.seq, time.monotonic(), self.step, tuple(parts), cid=next(self._ids), sig=sig,
+                        entry=self.entries)
         else:
             track.seq += 1
-            call = Call(track, op, track.seq, time.monotonic(), self.step, cid=next(self._ids))
+            call = Call(track, op, track.seq, time.monotonic(), self.step, cid=next(self._ids), sig=sig,
+                        entry=self.entries)
         self.open[call.cid] = call
         return call
 
     def hold(self, call: Call, work: Any) -> None:
-        """An asynchronous call stays open on its Work (or list of Works) until they are waited on or polled."""
+        """An asynchronous call stays open on its Work (or list of Works; or probes of a functional collective's
+        outputs, known by their ``keys``) until they are waited on or polled."""
         call.work = work
         for w in work if isinstance(work, list) else [work]:
-            self.held[id(w)] = call
+            for key in getattr(w, "keys", None) or (id(w),):
+                self.held[key] = call
 
     def waited(self, work: Any) -> None:
-        """``work.wait()`` returned: drop it, and close its call once none of its Works is left."""
+        """``work.wait()`` (or ``wait_tensor(output)``) returned: drop it, and close its call once none of its Works
+        is left."""
         call = self.held.pop(id(work), None)
         if call is None:
             return
         w = call.work
-        rest = [x for x in w if x is not work] if isinstance(w, list) else []
+        key = id(work)
+        rest = [x for x in w if x is not work and key not in (getattr(x, "keys", None) or ())] \
+            if isinstance(w, list) else []
+        for x in w if isinstance(w, list) else [w]:
+            if x is not work and key in (getattr(x, "keys", None) or ()):
+                for k in x.keys:
+                    self.held.pop(k, None)
         call.work = rest or None  # a new list: the background poll may be reading the old one
         if not rest:
             self.end(call)
 
-    def end(self, call: Call) -> None:
+    def end(self, call: Call, sync: bool = False) -> None:
+        """``call`` finished; ``sync``: it was a synchronous call that returned just now, so its duration is this
+        rank's wait for the last member to arrive (plus the transfer): counted for the straggler report."""
+        now = time.monotonic()
         self.open.pop(call.cid, None)
         if self.last is None or call.t0 >= self.last.t0:
             self.last = call
-        self.last_end = time.monotonic()
+        self.last_end = now
+        if sync:
+            t = call.track
+            t.wait_s += now - call.t0
+            t.waits += 1
+
+    def blocked(self, key: int, seconds: float) -> None:
+        """The main thread was blocked ``seconds`` in ``wait()`` on the Work (or output) ``key`` of an asynchronous
+        call: time spent waiting for peers, counted like a synchronous call's."""
+        call = self.held.get(key)
+        if call is not None:
+            call.track.wait_s += seconds
+            call.track.waits += 1
+
+    def peers_key(self) -> Optional[str]:
+        """The group key of this rank's peers (:data:`REPLICA_NAMES`), or None."""
+        for name in REPLICA_NAMES:
+            for t in self.by_key.values():
+                if name in t.names and len(t.ranks) > 1:
+                    return t.key
+        return None
+
+    # ------------------------------------------------------------------ steps (the straggler report's input)
+    def set_step(self, step: int) -> None:
+        """The training step changes to ``step``: the step just ended goes to :attr:`step_log` with its duration and
+        this rank's summed wait in synchronous collectives on each group."""
+        if step == self.step and self._step_t0 is not None:
+            return
+        now = time.monotonic()
+        tracks = list(self.by_key.values())
+        if self._step_t0 is not None:
+            self.step_log.append((self.step, now - self._step_t0, {t.key: t.wait_s for t in tracks if t.waits}))
+        for t in tracks:
+            t.wait_s, t.waits = 0.0, 0
+        self.step, self._step_t0 = step, now
+
+    def published_waits(self, last: int = PUBLISHED_STEPS) -> Optional[dict[str, Any]]:
+        """The newest ``last`` completed steps as published: ``{"steps": [...], "dt": [µs], "w": {group key: [µs]}}``
+        (a group absent from a step waited 0 µs there); the whole log when ``last`` is 0; None before any step."""
+        n = len(self.step_log)
+        # the newest ``last`` without copying the whole log (indexing near a deque's end is cheap)
+        log = [self.step_log[i] for i in range(max(0, n - last), n)] if last else list(self.step_log)
+        if not log:
+            return None
+        keys = sorted({k for _, _, w in log for k in w})
+        return {"steps": [s for s, _, _ in log], "dt": [round(dt * 1e6) for _, dt, _ in log],
+                "w": {k: [round(w.get(k, 0.0) * 1e6) for _, _, w in log] for k in keys}}
 
     def poll(self, on_failed: Any = None) -> None:
         """Close the asynchronous calls whose Works completed (the background thread calls this); a Work that
@@ -192,7 +295,8 @@ class Ledger:
             if failed and on_failed is not None:
                 on_failed(call)
             for x in works:
-                self.held.pop(id(x), None)
+                for k in getattr(x, "keys", None) or (id(x),):
+                    self.held.pop(k, None)
             call.work = None
             self.end(call)
 
@@ -201,9 +305,10 @@ class Ledger:
         return min(calls, key=lambda c: c.t0) if calls else None
 
     # ------------------------------------------------------------------ snapshot
-    def record(self, beat: int) -> dict[str, Any]:
+    def record(self, beat: int, waits: int = PUBLISHED_STEPS) -> dict[str, Any]:
         """What peers (and ``megashard doctor``) need to know about this rank: counters per group, open and last
-        calls, step, liveness (host, pid, heartbeat count)."""
+        calls, step, liveness (host, pid, heartbeat count), its run, the groups' ranks and the waits of the newest
+        ``waits`` completed steps (0: all it kept)."""
         now = time.monotonic()
         groups = {}
         for key, t in self.by_key.items():
@@ -214,10 +319,94 @@ class Ledger:
                 g["recvd"] = {str(p): n for p, n in t.recvd.items()}
             groups[key] = g
         open_calls = sorted(self.open.values(), key=lambda c: c.t0)
+        if len(open_calls) > 4:  # the oldest (what a peer may wait for) and the newest (where this rank is blocked)
+            open_calls = open_calls[:3] + open_calls[-1:]
         return {
+            **self.identity,
             "rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": self.pid, "beat": beat,
-            "time": time.time(), "step": self.step, "groups": groups,
-            "open": [dict(c.summary(now), ranks=list(c.track.ranks)) for c in open_calls[:4]],
+            "time": time.time(), "step": self.step, "entries": self.entries, "groups": groups,
+            "open": [dict(c.summary(now), ranks=list(c.track.ranks)) for c in open_calls],
             "last": self.last.summary() if self.last is not None else None,
             "idle_s": round(now - self.last_end, 3) if not open_calls else 0.0,
+            "group_ranks": {key: compact_ranks(t.ranks) for key, t in self.by_key.items()},
+            "peers": self.peers_key(),
+            "waits": self.published_waits(waits),
         }
+
+    def entry_line(self, call: Call) -> str:
+        """What is published on entry to ``call`` (``at/<rank>``): ``entries|group|op|seq|sig|p2p parts`` — a rank that
+        dies inside the call within a publication interval is still seen to have reached it."""
+        p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p) if call.p2p else ""
+        return f"{call.entry}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
+
+
+def compact_ranks(ranks: Sequence[int]) -> Any:
+    """``[first, stride, count]`` for ranks in arithmetic progression (every group megashard makes), else the
+    list itself: a record names the ranks of a world group of 10⁴ ranks in a few bytes."""
+    r = list(ranks)
+    if len(r) > 2:
+        stride = r[1] - r[0]
+        if stride > 0 and all(b - a == stride for a, b in zip(r, r[1:])):
+            return {"first": r[0], "stride": stride, "count": len(r)}
+    return r
+
+
+def expand_ranks(spec: Any) -> list[int]:
+    """The ranks :func:`compact_ranks` wrote ([] for anything else)."""
+    if isinstance(spec, dict):
+        try:
+            first, stride, count = int(spec["first"]), int(spec["stride"]), int(spec["count"])
+        except (KeyError, TypeError, ValueError):
+            return []
+        return list(range(first, first + stride * count, stride)) if count > 0 and stride > 0 else []
+    if isinstance(spec, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in spec):
+        return list(spec)
+    return []
+
+
+def parse_entry(text: Any) -> Optional[dict[str, Any]]:
+    """The call published on entry (:meth:`Ledger.entry_line`) as ``{"entries": n, "call": summary}``; None when
+    ``text`` is not one (damaged, or another program's key)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if not isinstance(text, str):
+        return None
+    head, _, rest = text.partition("|")
+    fields = rest.rsplit("|", 4)  # a group key may hold "|" (a user's name): split the rest from the right
+    if len(fields) != 5 or not head.isdigit() or not fields[2].isdigit():
+        return None
+    group, op, seq, sig, p2p = fields
+    call: dict[str, Any] = {"group": group, "name": group.rsplit(":", 1)[0] if ":" in group else group, "op": op,
+                            "seq": int(seq)}
+    if sig:
+        call["sig"] = sig
+    if p2p:
+        try:
+            call["p2p"] = [[d, int(p), int(k)] for d, p, k in (x.split(":") for x in p2p.split(","))]
+        except ValueError:
+            return None
+    return {"entries": int(head), "call": call}
+
+
+def with_entry(rec: Optional[dict[str, Any]], entry: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A rank's published record updated with the call it published on entry, when that entry is newer than the
+    record (the rank started the call after its last record): its counters then include the call, and the call is
+    its newest open one, marked ``entered`` (it started it; whether it finished is unknown)."""
+    if rec is None or entry is None or entry["entries"] <= int(rec.get("entries") or 0):
+        return rec
+    call = dict(entry["call"], entered=True)
+    rec = dict(rec, groups={k: dict(v) for k, v in (rec.get("groups") or {}).items()}, entries=entry["entries"])
+    g = rec["groups"].setdefault(call["group"], {"seq": 0})
+    if call.get("p2p"):
+        for direction, peer, k in call["p2p"]:
+            field_ = "sent" if direction == "send" else "recvd"
+            counts = dict(g.get(field_) or {})
+            counts[str(peer)] = max(int(counts.get(str(peer), 0)), k)
+            g[field_] = counts
+    else:
+        g["seq"] = max(int(g.get("seq", 0)), call["seq"])
+    opened = [c for c in rec.get("open") or [] if (c.get("group"), c.get("seq"), c.get("op")) !=
+              (call["group"], call["seq"], call["op"])]
+    rec["open"] = opened + [call]  # the newest call last: open[0] stays the oldest
+    rec["entered"] = call
+    return rec

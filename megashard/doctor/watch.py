@@ -27,12 +27,64 @@ import time
 from typing import IO, Any, Iterable, Optional
 
 from megashard.doctor import intercept
+from megashard.doctor.board import EntryBoard
 from megashard.doctor.diagnose import diagnose
-from megashard.doctor.ledger import Call, Ledger
+from megashard.doctor.ledger import PUBLISHED_STEPS, Call, Ledger, parse_entry, with_entry
+from megashard.doctor.stragglers import Stragglers
+from megashard.doctor.waitfor import find_cycle
 
-__all__ = ["Doctor", "default_interval"]
+__all__ = ["Doctor", "default_interval", "record_dir", "run_identity"]
 
 STORE_PREFIX = "megashard_doctor"
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def run_identity(store: Any) -> dict[str, Any]:
+    """What ties this rank's records to its world (see the module docstring of :mod:`megashard.doctor.records`):
+
+    - ``run``: one id for every rank of this world, agreed through the store without a collective (the first rank
+      to ask sets it; the store is new for each rendezvous round under ``megashard run``, so a new world gets a new id);
+    - ``world``: the number of this world within its job, agreed with the id — the rendezvous round the workers started
+      in (megashard's agent exports it: an old node and a node that joined see the same round, while their torchrun
+      restart counts differ), else the restart count of the rank that set the id. 0 writes ``doctor/``, k > 0
+      ``doctor/restart_<k>/``;
+    - ``job``: what every launcher and restart of one launch share (``MEGASHARD_JOB_ID`` of ``megashard run``, else
+      torchrun's rendezvous id), None outside a launcher; ``launch``: ``MEGASHARD_RUN_ID``, else torchrun's id;
+    - ``attempt``: this rank's torchrun restart count; ``started``: when this rank's doctor started (seconds since the
+      epoch)."""
+    import uuid
+
+    from megashard._compat import RENDEZVOUS_ROUND_ENV
+
+    launch = os.environ.get("MEGASHARD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+    if launch == "none":  # torchrun's default --rdzv-id: the same for every launch
+        launch = None
+    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
+    job = os.environ.get("MEGASHARD_JOB_ID") or (torchrun if torchrun and torchrun != "none" else None)
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT") or 0
+    world = _env_int(RENDEZVOUS_ROUND_ENV)
+    world = attempt if world is None else world
+    mine = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    try:
+        agreed = store.compare_set("run", "", json.dumps({"run": mine, "world": world}))
+        agreed = agreed.decode("utf-8", "replace") if isinstance(agreed, bytes) else str(agreed)
+        try:
+            value = json.loads(agreed)
+            run, world = str(value["run"]), int(value["world"])
+        except (ValueError, TypeError, KeyError):  # another doctor's plain id
+            run = agreed
+    except Exception:  # noqa: BLE001 - a store without compare_set: the launch's id, if any
+        run = f"{launch}/{world}" if launch else mine
+    return {"run": run, "world": world, "job": job, "launch": launch, "attempt": attempt, "started": time.time()}
+
+
+def record_dir(out_dir: str, world: Any) -> str:
+    """Where the ranks of world number ``world`` write their records: ``<out_dir>/doctor`` for the first world of a
+    job, ``<out_dir>/doctor/restart_<k>`` for world k > 0 (a torchrun restart, or a new world of an elastic job)."""
+    d = os.path.join(out_dir, "doctor")
+    return os.path.join(d, f"restart_{world}") if isinstance(world, int) and world > 0 else d
 
 
 def default_interval(timeout: float) -> float:
@@ -60,9 +112,9 @@ class Doctor:
 
     Args:
         timeout: seconds after which an open call is a hang (``parallel.timeout``).
-        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), after a torchrun
-            restart (``TORCHELASTIC_RESTART_COUNT`` k > 0) to ``<out_dir>/doctor/restart_<k>/``, so that the records of
-            the attempt that hung are kept.
+        out_dir: the run directory; files go to ``<out_dir>/doctor/rank_<r>.json`` (None: no files), in a later world
+            of the job (a torchrun restart, an elastic job's new world: number k > 0, agreed by its ranks) to
+            ``<out_dir>/doctor/restart_<k>/``, so that the records of the world that hung are kept.
         interval: seconds between publications (default :func:`default_interval`).
         store: a ``torch.distributed.Store`` (default: the default group's, cloned).
         stream: where the line goes (default stderr).
@@ -86,8 +138,18 @@ class Doctor:
         except Exception:  # noqa: BLE001 - a store without clone (FakeStore, older torch): share the connection
             pass
         self.store = dist.PrefixStore(STORE_PREFIX, store)
+        self.ledger.identity = run_identity(self.store)
+        # The call this rank enters, in shared memory (megashard.doctor.board): ~1 µs on the main thread, and it
+        # survives the process — peers on this host read it, and publish it to the store for the others if it died.
+        self.board = EntryBoard(str(self.ledger.identity["run"]), self.ledger.rank)
+        # Rank 0 compares the ranks' waits (the straggler report: megashard.doctor.stragglers), in this thread.
+        self.stragglers: Optional[Stragglers] = Stragglers() if self.ledger.rank == 0 else None
+        self.straggler_report: Optional[dict[str, Any]] = None
+        """The newest straggler report (rank 0; what metrics.jsonl carries), replaced whole after each reading."""
         self.findings: list[dict[str, Any]] = []
         self.beat = 0
+        self.cpu_s = 0.0
+        """CPU seconds the doctor's background thread used so far (what it costs besides the per-call counting)."""
         self.state = "running"
         self._snap: dict[int, tuple[float, dict[int, Optional[dict]]]] = {}  # call id -> (when, records read then)
         self._reported: set[int] = set()  # ids of calls open when this rank last reported a hang
@@ -97,12 +159,30 @@ class Doctor:
 
     # ------------------------------------------------------------------ set-up
     def register(self, pg: Any, name: str, ranks: Optional[Iterable[int]] = None) -> None:
-        """Watch the collectives on ``pg`` (``ranks``: its global ranks, default asked from torch)."""
+        """Watch the collectives on ``pg`` (``ranks``: its global ranks, default asked from torch). Every rank may
+        call it: on a rank that is not a member (``new_group`` gave it ``GroupMember.NON_GROUP_MEMBER``, or ``ranks``
+        leaves it out) there is nothing to watch, since that rank makes no call on the group."""
         import torch.distributed as dist
 
+        from megashard.errors import ConfigError
+
+        if not isinstance(name, str) or not name.strip() or "|" in name:
+            raise ConfigError(f"doctor.register(name={name!r}): the group's name must be a non-empty string without "
+                              "'|' (it names the group in the doctor's lines, e.g. 'mine')")
+        if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        if not isinstance(pg, dist.ProcessGroup):
+            raise ConfigError(f"doctor.register(pg={pg!r:.80}): a torch.distributed.ProcessGroup is expected (what "
+                              "torch.distributed.new_group returns)")
         if ranks is None:
             ranks = dist.get_process_group_ranks(pg)
-        ranks = list(ranks)
+        try:
+            ranks = [int(r) for r in ranks]
+        except (TypeError, ValueError):
+            raise ConfigError(f"doctor.register(ranks={ranks!r:.80}): the group's global ranks (integers) are "
+                              "expected") from None
+        if self.ledger.rank not in ranks:
+            return
         if len(ranks) > 1:
             self.ledger.register(pg, name, ranks, cuda="nccl" in str(dist.get_backend(pg)))
 
@@ -124,6 +204,7 @@ class Doctor:
     def start(self) -> "Doctor":
         intercept.install(self)
         self._publish()
+        self.write("start", waits=1)  # this rank of this run started: a rank killed later leaves at least this
         self._thread = threading.Thread(target=self._run, name="megashard-doctor", daemon=True)
         self._thread.start()
         return self
@@ -146,6 +227,12 @@ class Doctor:
         self._publish()
         self.write(reason)
         self.ledger.forget_groups()
+        self.board.close()
+
+    def entered(self, call: Call) -> None:
+        """The call this rank starts, written to its shared-memory entry (the main thread, before torch runs it): a
+        rank that dies inside a call is seen inside it, even within a publication interval of entering it."""
+        self.board.write(self.ledger.entry_line(call))
 
     # ------------------------------------------------------------------ the background thread
     def _run(self) -> None:
@@ -154,8 +241,12 @@ class Doctor:
                 self.ledger.poll(self.report)
                 self._publish()
                 self._check()
+                self.board.cover_dead(self.store, _pid_dead)  # a dead rank of this host: its entry for the others
+                if self.stragglers is not None:
+                    self._compare_waits()
             except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
                 self._say(f"megashard doctor: rank {self.ledger.rank}: watcher error: {type(e).__name__}: {e}")
+            self.cpu_s = time.thread_time()  # this thread's own CPU time
 
     def _check(self) -> None:
         call = self.ledger.oldest_open()
@@ -178,15 +269,49 @@ class Doctor:
         except Exception:  # noqa: BLE001 - the store's host went away: nothing to publish to
             pass
 
-    def _read(self, ranks: Iterable[int]) -> dict[int, Optional[dict]]:
-        out: dict[int, Optional[dict]] = {}
-        for r in ranks:
-            key = f"rec/{r}"
+    def _compare_waits(self) -> None:
+        """Rank 0: every rank's newest published waits into the straggler statistics (one multi-key read)."""
+        keys = [f"rec/{r}" for r in range(self.ledger.world_size)]
+        try:
+            values = self.store.multi_get(keys) if self.store.check(keys) else [self._get(k) for k in keys]
+        except Exception:  # noqa: BLE001 - no multi_get in this store: one key at a time
+            values = [self._get(k) for k in keys]
+        run = self.ledger.identity.get("run")
+        for r, value in enumerate(values):
             try:
-                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001 - unreachable store (its host died): unknown
+                rec = json.loads(value) if value is not None else None
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("run") in (None, run):
+                self.stragglers.add_record(r, rec, analyse=False)
+        before = self.stragglers.steps
+        self.stragglers.analyse(trim=True)
+        if self.stragglers.steps != before:  # new steps: a new report (the test costs a few ms of Python)
+            self.straggler_report = self.stragglers.metrics()
+
+    def _read(self, ranks: Iterable[int]) -> dict[int, Optional[dict]]:
+        """The peers' records, each merged with the call it published on entry when that is newer
+        (:func:`~megashard.doctor.ledger.with_entry`); None for a rank without one (or with another run's)."""
+        out: dict[int, Optional[dict]] = {}
+        run = self.ledger.identity.get("run")
+        for r in ranks:
+            rec = self._get(f"rec/{r}")
+            try:
+                rec = json.loads(rec) if rec is not None else None
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict) or (run and rec.get("run") not in (None, run)):
                 out[r] = None
+                continue
+            pid, line = self.board.read(r)  # on this host: its own entry file; else what a survivor published
+            out[r] = with_entry(rec, parse_entry(line if line is not None else self._get(f"at/{r}")))
         return out
+
+    def _get(self, key: str) -> Optional[bytes]:
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - unreachable store (its host died): unknown
+            return None
 
     def _peers_of(self, call: Call) -> list[int]:
         if call.p2p:
@@ -213,25 +338,36 @@ class Doctor:
             self._reported = set(self.ledger.open) | {call.cid}
             waited = time.monotonic() - call.t0
             self._publish()  # peers diagnosing now see this call open
-            self.write("hang")  # first what this rank knows (the process may be stopped while it waits for peers)
-            records, alive = self._examine(self._peers_of(call), self._snap.get(call.cid))
-            finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited)
+            # first what this rank knows (the process may be stopped while it waits for peers; torchrun stops the
+            # survivors within 0.1 s of a worker's death): small, the step log comes with the final write
+            self.write("hang", waits=PUBLISHED_STEPS)
+            records, alive, gone = self._examine(self._peers_of(call), self._snap.get(call.cid))
+            cycle = []
+            waiting = {r: rec for r, rec in records.items() if rec is not None and alive.get(r) is not False}
+            if any(rec.get("open") for rec in waiting.values()):  # a live peer waits elsewhere: a cycle?
+                mine = dict(self.ledger.record(self.beat), open=[dict(call.summary(), ranks=list(call.track.ranks))])
+                cycle = find_cycle(self.ledger.rank, {**records, **{r: None for r in records if r not in waiting},
+                                                      self.ledger.rank: mine}, fetch=self._read)
+            finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited, gone,
+                               deadlock=cycle)
             self.findings.append(finding)
             self._say(finding["line"])
             self.write("hang")
             return finding
 
-    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict]:
+    def _examine(self, peers: list[int], snap: Optional[tuple[float, dict]]) -> tuple[dict, dict, set]:
         """The peers' records, fresh, and whether each is alive: a live peer publishes a newer record (a higher beat)
         than the first read within ``2 · interval + 0.5`` s; one that does not — or whose pid is gone on this host,
         or whose doctor ended — is not. The first read is the one on suspicion when there was one (then usually no
-        waiting at all), else one taken now."""
+        waiting at all), else one taken now. Returns the records, rank -> alive, and the ranks whose process is gone
+        from this host."""
         if snap is None:
             snap = (time.monotonic(), self._read(peers))
         first = snap[1]
         deadline = snap[0] + 2 * self.interval + 0.5
         records: dict[int, Optional[dict]] = {}
         alive: dict[int, Optional[bool]] = {}
+        gone: set[int] = set()
         waiting = list(peers)
         while True:
             for r, rec in self._read(waiting).items():
@@ -242,9 +378,11 @@ class Doctor:
                 before, now = first.get(r), records.get(r)
                 if now is not None and (before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))):
                     alive[r] = True
-                elif now is not None and (now.get("state") in ("exited", "failed") or (
-                        now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))))):
+                elif now is not None and now.get("state") in ("exited", "failed"):
                     alive[r] = False
+                elif now is not None and now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))):
+                    alive[r] = False
+                    gone.add(r)
                 else:
                     still.append(r)
             waiting = still
@@ -258,7 +396,7 @@ class Doctor:
         for r, rec in records.items():  # a process that ended is not alive, whatever its last beat
             if rec is not None and rec.get("state") in ("exited", "failed"):
                 alive[r] = False
-        return records, alive
+        return records, alive, gone
 
     def _say(self, line: str) -> None:
         stream = self.stream or sys.stderr
@@ -268,16 +406,16 @@ class Doctor:
             pass
 
     # ------------------------------------------------------------------ files
-    def write(self, reason: str) -> Optional[str]:
-        """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically); returns the path."""
+    def write(self, reason: str, waits: int = 0) -> Optional[str]:
+        """Write what this rank knows to ``<out_dir>/doctor/rank_<r>.json`` (atomically; with the waits of the newest
+        ``waits`` steps, 0: all kept); returns the path."""
         if not self.out_dir:
             return None
-        rec = self.ledger.record(self.beat)
+        rec = self.ledger.record(self.beat, waits=waits)
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
-        d = os.path.join(self.out_dir, "doctor")
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if restart.isdigit() and int(restart) > 0:
-            d = os.path.join(d, f"restart_{int(restart)}")
+        if self.straggler_report is not None:
+            rec["stragglers"] = self.straggler_report
+        d = record_dir(self.out_dir, self.ledger.identity.get("world"))  # the same for every rank of this world
         path = os.path.join(d, f"rank_{self.ledger.rank}.json")
         try:
             os.makedirs(d, exist_ok=True)

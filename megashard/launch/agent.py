@@ -213,11 +213,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
-        from megashard._compat import elastic_agent_gives_up_on
+        from megashard._compat import RENDEZVOUS_ROUND_ENV, elastic_agent_gives_up_on, export_rendezvous_round
 
-        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
         reporter = _Reporter(args.nnodes, hostname())
         _quiet_torchrun_logs(reporter)
+        from megashard.launch.startwatch import watch_from_env
+
+        watch_from_env(argv)  # a worker that never reaches init_process_group is named (megashard run only)
+        export_rendezvous_round(RENDEZVOUS_ROUND_ENV)  # the world the workers start in: the doctor's run identity
         elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}), membership_code=EXIT_PEER_LOST
                                   if reporter.elastic else None, on_membership=reporter.on_membership)
         try:

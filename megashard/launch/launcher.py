@@ -373,12 +373,15 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     previous = _exit_on_sigterm()
     since = time.time()
     proc = None
+    from megashard.launch.startwatch import StartDir
+
+    start_watch = StartDir(job.parallel.timeout)  # the workers' start-up marks (a rank stuck before its group is up)
     try:
         sys.stderr.flush()
         # The lifelines of torchrun (megashard.launch.agent) and of the workers hang on these pids; every process and
         # restart of this launch shares the run id its checkpoints record (megashard.train.startpoint).
         env = {**os.environ, **plan.env, "MEGASHARD_LAUNCHER_PID": str(os.getpid()), "MEGASHARD_JOB_ID": lock_id(job),
-               RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id()}
+               RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id(), **start_watch.env}
         # A session of its own: a Ctrl-C reaches this launcher only, which stops torchrun once, in order (below):
         # with SIGTERM, which torchrun passes on to its workers (a SIGINT would raise KeyboardInterrupt in each).
         proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
@@ -394,6 +397,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
             _stop(proc, signal.SIGTERM, grace_s=30.0)
         raise
     finally:
+        start_watch.remove()
         if lock is not None:
             lock.release()
         if previous is not None:

@@ -104,7 +104,11 @@ def _unfillable(job) -> bool:  # noqa: ANN001 - a JobConfig (imported late: the 
         return True
     import torch.distributed as dist
 
+    from megashard.launch import startwatch
+
+    startwatch.mark("init")
     dist.init_process_group("gloo", timeout=timedelta(seconds=job.parallel.timeout))  # ranks may start slowly
+    startwatch.mark("joined")  # waiting on purpose: not a start-up hang for the launcher's watch
     while True:  # a peer that left breaks the barrier: peer loss, the agent re-forms the world without its node
         time.sleep(UNFILLABLE_POLL_S)
         dist.barrier()
@@ -116,6 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megashard.launch.lifeline import die_with_parent, env_pid
 
     die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # before the slow imports
+    from megashard.launch import startwatch
+
+    startwatch.mark("started")  # the launcher names a worker that never reaches init_process_group
+    startwatch.arm_stack_dump()
     if env_pid("MEGASHARD_AGENT_PID"):
         # Under megashard run, torchrun stops the workers with the SIGINT of a Ctrl-C: end at once, silently. A Python
         # KeyboardInterrupt would print a traceback from wherever the worker is (an import, c10d's connect loop:
@@ -137,12 +145,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         del args[i: i + 2]
     import os
 
+    startwatch.mark("imported")
     try:
         job = JobConfig.from_yaml(args[0], args[1:])
         if name:
             job.name = name
         if job.launch.elastic and _unfillable(job):
             return EXIT_NO_RESTART  # launch.unfillable_world=stop (with wait, _unfillable only returns by an error)
+        from megashard.state import init_distributed
+
+        startwatch.mark("init")
+        try:
+            init_distributed(job.parallel)  # train() finds it up
+        except RuntimeError as e:  # a missing rank: torch's store timed out (the launcher named the missing rank)
+            if type(e).__name__ not in ("DistStoreError", "DistNetworkError", "DistError"):
+                raise
+            print(f"megashard run: rank {os.environ.get('RANK', '?')}: init_process_group failed: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
+            return 1
+        startwatch.mark("joined")
         train(job)
     except KeyboardInterrupt:  # torchrun forwards Ctrl-C; it reports the interruption itself
         return 130

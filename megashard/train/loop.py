@@ -278,7 +278,7 @@ class TrainRun:
             time.sleep(0.05)
         t0 = time.perf_counter()
         if self.doc is not None:
-            self.doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
+            self.doc.ledger.set_step(step + 1)  # the step being trained, as metrics.jsonl numbers it
         lr = lr_at(step, job)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -316,6 +316,8 @@ class TrainRun:
                 print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,
                       flush=True)
         if self.writer is not None:
+            if self.doc is not None and self.doc.straggler_report is not None:  # rank 0's doctor compares the waits
+                record["stragglers"] = self.doc.straggler_report
             self.writer.write(record)
         self.bar.update(done, gloss, tokens * (done - result.start_step) / (time.perf_counter() - self.t_start))
         if t.fail_at_step == done and self.rank == t.fail_rank and _restart_count() == 0:

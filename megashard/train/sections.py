@@ -71,9 +71,10 @@ class TrainConfig:
     doctor: bool = True
     """The hang doctor (docs/doctor.md): when a collective on a megashard group does not finish within
     ``parallel.timeout``, every waiting rank prints one line naming the group, the operation and the ranks that never
-    reached it (and what they do instead), and every rank writes ``<out_dir>/doctor/rank_<r>.json`` (on a hang and at
-    the end) for ``megashard doctor OUT_DIR``. Costs an in-memory counter per collective and one small store write per
-    rank every ``parallel.timeout``/10 s (0.2 to 5 s); ``false`` = off."""
+    reached it (and what they do instead), and every rank writes ``<out_dir>/doctor/rank_<r>.json`` (at start, on a
+    hang and at the end) for ``megashard doctor OUT_DIR``; metrics.jsonl gets the straggler report (``stragglers``:
+    the rank that arrives last, by how much, and the ranks named slow). Costs a few µs per collective and one small
+    store write per rank every ``parallel.timeout``/10 s (0.2 to 5 s); ``false`` = off."""
     compile: bool = False
     """Compile every transformer block with ``torch.compile`` (its body: norms, attention, MLP; FSDP's hooks and
     activation recompute stay outside, parameter names and checkpoints are unchanged), as torchtitan does. Works

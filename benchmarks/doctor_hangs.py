@@ -1,0 +1,144 @@
+"""The hang doctor on faults in a user's own script under torchrun: what each waiting rank said, and how soon.
+
+For every mode of ``tests/_doctor_user_script.py`` (a user's script with ``megashard.doctor.enable(timeout=T)``: a
+rank aborted inside an all-reduce of another size, mismatched operations, a deadlock across two groups, a DTensor
+``full_tensor()`` a rank never joins, a group registered on non-members whose member ended, a rank in its own code, a
+rank SIGKILLed inside a call, a receive whose sender stays in its own code), one ``torchrun --standalone`` launch on
+gloo. Reported per mode: the ranks that printed a line, whether each line names the right group, operation, number and
+ranks with the right words (the expected fragments below), the seconds from the hang (the rank's ``HANG`` mark, right
+before the call) to its line as read from torchrun's stderr, whether ``megashard doctor RUN_DIR`` says the same from
+the files (exit code 1 and the fragment in its table), and whether any process of the launch was left over.
+
+    python benchmarks/doctor_hangs.py [--timeout T] [--modes size,op,...]
+
+Prints a table and writes ``benchmarks/results/doctor_hangs.json``. A line is due within T (+ a publication interval
+and the peers' read: about T + 0.5 s) of the hang, or at once when a peer died.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SCRIPT = os.path.join(ROOT, "tests", "_doctor_user_script.py")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "doctor_hangs.json")
+
+# mode -> (ranks, the ranks expected to print, fragments every such line holds, a fragment of the CLI's table)
+MODES = {
+    "size": (2, [1], ["waits in all_reduce #4 on world [0, 1]", "rank 0 reached it; its process died inside "
+                      "all_reduce #4 on world", "mismatched calls: rank 0: all_reduce float32[4]; rank 1: all_reduce "
+                      "float32[8]"], "rank 0: reached it, its process"),
+    "op": (2, [0, 1], ["#4 on world [0, 1]", "mismatched calls: rank 0: all_reduce float32[4]; rank 1: all_gather "
+                       "float32[8]"], "mismatched calls: rank 0: all_reduce float32[4]; rank 1: all_gather"),
+    "deadlock": (2, [0, 1], ["waits in all_reduce #1 on", "deadlock: rank"],
+                 "deadlock: rank 0 waits in all_reduce #1 on a for rank 1, which waits in all_reduce #1 on b"),
+    "dtensor": (2, [0], ["waits in all_gather", "on world [0, 1]", "rank 1 never reached it", "in user code"],
+                "rank 1: last: all_gather"),
+    "nonmember": (4, [0], ["waits in all_reduce #1 on pair [0, 1]", "rank 1 never reached it (its process ended"],
+                  "rank 1: its process ended"),
+    "sleep": (2, [0], ["waits in all_reduce #4 on world [0, 1]", "rank 1 never reached it", "in user code"],
+              "rank 1: last: all_reduce #3"),
+    "kill": (2, [0], ["waits in all_reduce #4 on world [0, 1]", "rank 1 reached it; its process died inside "
+                      "all_reduce #4"], "rank 1: reached it, its process died inside all_reduce #4"),
+    "recv": (2, [1], ["waits in recv", "rank 0"], "recv"),
+}
+
+
+def run_mode(mode: str, t: float) -> dict:
+    nproc, expect, fragments, table = MODES[mode]
+    run_dir = tempfile.mkdtemp(prefix=f"megashard-hangs-{mode}-")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, mode,
+           run_dir, str(t)]
+    lines: list[tuple[float, str]] = []
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+
+    def read() -> None:
+        for line in p.stderr:  # type: ignore[union-attr]
+            lines.append((time.time(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        p.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    reader.join(timeout=5)
+    hangs = {}
+    said: dict[int, tuple[float, str]] = {}
+    for when, line in lines:
+        if line.startswith("HANG "):
+            _, rank, at = line.split()
+            hangs[int(rank)] = float(at)
+        elif line.startswith("megashard doctor: rank "):
+            said.setdefault(int(line.split()[3]), (when, line))
+    rows = []
+    for rank in sorted(set(expect) | set(said)):
+        when, line = said.get(rank, (None, ""))
+        missing = [f for f in fragments if f not in line]
+        rows.append({"rank": rank, "expected": rank in expect, "line": line, "right": bool(line) and not missing,
+                     "missing": missing,
+                     "seconds": round(when - hangs[rank], 2) if when is not None and rank in hangs else None})
+    from megashard.cli import main
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["doctor", run_dir])
+    text = " ".join(out.getvalue().split())
+    left = subprocess.run(["pgrep", "-f", run_dir], capture_output=True, text=True).stdout.split()
+    return {"mode": mode, "ranks": nproc, "timeout_s": t, "exit": p.returncode, "rows": rows, "cli_exit": code,
+            "cli_right": code == 1 and " ".join(table.split()) in text, "cli": out.getvalue(), "left_over": left,
+            "run_dir": run_dir}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--timeout", type=float, default=10.0, help="the doctor's timeout T in seconds (default 10)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(MODES)}")
+    load_before = os.getloadavg()[0]
+    results = [run_mode(m, args.timeout) for m in modes]
+    load_after = os.getloadavg()[0]
+    print(f"hang doctor on users' scripts under torchrun: T = {args.timeout:g} s; load {load_before:.1f} → "
+          f"{load_after:.1f} on {os.cpu_count()} cores")
+    print("| fault | ranks | waiting rank: right line | s from hang to line | megashard doctor right | left over |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        said = "; ".join(f"{row['rank']}: {'yes' if row['right'] else 'NO' if row['expected'] else 'extra'}"
+                         for row in r["rows"]) or "none"
+        secs = ", ".join(f"{row['seconds']:.2f}" for row in r["rows"] if row["seconds"] is not None) or "-"
+        print(f"| {r['mode']} | {r['ranks']} | {said} | {secs} | {'yes' if r['cli_right'] else 'NO'} | "
+              f"{len(r['left_over'])} |")
+    for r in results:
+        for row in r["rows"]:
+            if row["line"]:
+                print(f"{r['mode']}: {row['line']}")
+            if row["missing"] and row["expected"]:
+                print(f"{r['mode']}: rank {row['rank']} missing: {row['missing']}")
+    out = {"benchmark": "doctor_hangs", "timeout_s": args.timeout, "results": results, "load_before": load_before,
+           "load_after": load_after, "python": platform.python_version(), "cpus": os.cpu_count()}
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {RESULTS}")
+    return 0 if all(all(row["right"] for row in r["rows"] if row["expected"]) and r["cli_right"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Functional collectives (``torch.distributed._functional_collectives``, private): what DTensor's redistribution
+calls. :mod:`megashard.doctor.intercept` wraps their Python entry points and sees their outputs through the one
+private function every output passes through."""
+from __future__ import annotations
+
+# --- functional collectives (megashard.doctor.intercept sees DTensor's redistribution and funcol calls) --------------
+#: The Python entry points of ``torch.distributed._functional_collectives`` that start a collective (the names this
+#: torch has are wrapped; DTensor's redistribution calls them by module attribute, so the wrappers see it).
+FUNCTIONAL_COLLECTIVES = (
+    "all_reduce", "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_single",
+    "all_gather_single_autograd", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+    "reduce_scatter_single", "reduce_scatter_single_autograd", "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+    "all_to_all_single_autograd", "broadcast", "permute_tensor",
+)
+
+
+def functional_collectives():
+    """The module ``torch.distributed._functional_collectives`` (private), or None where it cannot be imported."""
+    try:
+        import torch.distributed._functional_collectives as funcol
+    except ImportError:  # pragma: no cover - no distributed build
+        return None
+    return funcol
+
+
+def functional_group_name(group, tag: str = "") -> str:
+    """torch's name of the process group a functional collective's ``group`` argument means (a ProcessGroup, a
+    1-d DeviceMesh, ``(mesh, dim)``, a rank list or a name)."""
+    return str(functional_collectives()._resolve_group_name(group, tag))
+
+
+def hook_functional_outputs(hook):
+    """Let ``hook(raw, wrapped)`` see every tensor a functional collective returns, before the caller does
+    (``_maybe_wrap_tensor``, private: the one function every funcol output passes through; ``raw`` is the tensor
+    that ``wait_tensor`` is later called on). Returns the function that undoes it (None where this torch has no
+    such function)."""
+    funcol = functional_collectives()
+    original = getattr(funcol, "_maybe_wrap_tensor", None) if funcol is not None else None
+    if original is None:
+        return None
+
+    def maybe_wrap_tensor(raw):
+        out = original(raw)
+        hook(raw, out)
+        return out
+
+    funcol._maybe_wrap_tensor = maybe_wrap_tensor
+
+    def undo() -> None:
+        if funcol._maybe_wrap_tensor is maybe_wrap_tensor:
+            funcol._maybe_wrap_tensor = original
+
+    return undo

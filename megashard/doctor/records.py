@@ -1,0 +1,360 @@
+"""The files the ranks left (``<run dir>/doctor/rank_<r>.json``), checked, sorted by run, and merged into one table.
+
+    attempts = read_attempts("runs/default")      # one Attempt per world (torchrun attempt, elastic round) of the job
+    for a in attempts.kept: print(format_table(summarize(a.records)))
+
+Every record carries the identity of its world (``run``: agreed by the ranks of one torchrun attempt or elastic
+rendezvous round through the store; ``world``: its number in the job, which names the directory; ``job``: shared by
+every launcher and restart of one launch; ``launch``; ``attempt``: the rank's torchrun restart count; ``started``:
+when that rank's doctor started). A directory may also hold an earlier job's files (an 8-rank run's ``rank_4.json``
+… ``rank_7.json`` after a 4-rank run wrote ``rank_0`` … ``rank_3``): only the newest job's records are read, one
+table per world, the others are counted. Every file is checked field by field before it is used; a damaged one is
+named (file, key, expected type) and skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from megashard.doctor.diagnose import diagnose, ranks_text
+from megashard.doctor.ledger import describe_call
+
+__all__ = ["Attempt", "RunRecords", "attempt_dirs", "check_record", "read_attempts", "read_run_dir", "summarize",
+           "format_table"]
+
+_NUM = (int, float)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, _NUM) and not isinstance(v, bool)
+
+
+def _check_call(c: Any, where: str) -> Optional[str]:
+    if not isinstance(c, dict):
+        return f"{where} must be an object (a call: group, op, seq), found {type(c).__name__}"
+    for key, ok, kind in (("group", lambda v: isinstance(v, str), "a string"),
+                          ("op", lambda v: isinstance(v, str), "a string"),
+                          ("seq", _is_int, "an integer")):
+        if key not in c:
+            return f"{where}: key '{key}' is missing ({kind})"
+        if not ok(c[key]):
+            return f"{where}: key '{key}' must be {kind}, found {c[key]!r}"
+    if "ranks" in c and not (isinstance(c["ranks"], list) and all(_is_int(r) for r in c["ranks"])):
+        return f"{where}: key 'ranks' must be a list of integers"
+    if c.get("p2p") and not (isinstance(c["p2p"], list) and all(
+            isinstance(p, list) and len(p) == 3 and p[0] in ("send", "recv") and _is_int(p[1]) and _is_int(p[2])
+            for p in c["p2p"])):
+        return f"{where}: key 'p2p' must be a list of [send|recv, peer, count]"
+    for key in ("sig", "name"):
+        if key in c and not isinstance(c[key], str):
+            return f"{where}: key '{key}' must be a string"
+    if "age_s" in c and not _is_num(c["age_s"]):
+        return f"{where}: key 'age_s' must be a number"
+    return None
+
+
+def _check_finding(f: Any, where: str) -> Optional[str]:
+    bad = _check_call(f, where)
+    if bad:
+        return bad
+    for key, ok, kind in (("rank", _is_int, "an integer"), ("name", lambda v: isinstance(v, str), "a string"),
+                          ("ranks", lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers"),
+                          ("culprits", lambda v: isinstance(v, list), "a list")):
+        if key not in f:
+            return f"{where}: key '{key}' is missing ({kind})"
+        if not ok(f[key]):
+            return f"{where}: key '{key}' must be {kind}, found {f[key]!r}"
+    for i, c in enumerate(f["culprits"]):
+        if not (isinstance(c, dict) and _is_int(c.get("rank")) and isinstance(c.get("reached"), bool)
+                and isinstance(c.get("doing"), str)):
+            return f"{where}.culprits[{i}] must be an object with rank (integer), reached (true/false), doing (string)"
+    return None
+
+
+def check_record(rec: Any) -> Optional[str]:
+    """What is wrong with a doctor record (``key 'groups' must be an object …``), or None when it can be used."""
+    if not isinstance(rec, dict):
+        return f"not a doctor record: a JSON object is expected, found {type(rec).__name__}"
+    for key, ok, kind in (("rank", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                          ("world_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+                          ("groups", lambda v: isinstance(v, dict), "an object (group -> counters)")):
+        if key not in rec:
+            return f"key '{key}' is missing ({kind})"
+        if not ok(rec[key]):
+            return f"key '{key}' must be {kind}, found {rec[key]!r:.60}"
+    if rec["rank"] >= rec["world_size"]:
+        return f"key 'rank' ({rec['rank']}) must be below 'world_size' ({rec['world_size']})"
+    for key, value in rec["groups"].items():
+        if not isinstance(value, dict) or not _is_int(value.get("seq", 0)):
+            return f"key 'groups.{key}' must be an object with an integer 'seq'"
+        for counter in ("sent", "recvd"):
+            c = value.get(counter, {})
+            if not isinstance(c, dict) or not all(_is_int(n) for n in c.values()):
+                return f"key 'groups.{key}.{counter}' must be an object (peer -> integer)"
+    for key, ok, kind in (("run", lambda v: isinstance(v, str), "a string"),
+                          ("launch", lambda v: v is None or isinstance(v, str), "a string or null"),
+                          ("job", lambda v: v is None or isinstance(v, str), "a string or null"),
+                          ("world", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                          ("attempt", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                          ("started", _is_num, "a number (seconds since the epoch)"),
+                          ("time", _is_num, "a number (seconds since the epoch)"),
+                          ("state", lambda v: isinstance(v, str), "a string"),
+                          ("reason", lambda v: isinstance(v, str), "a string"),
+                          ("step", _is_int, "an integer"), ("beat", _is_int, "an integer"),
+                          ("pid", _is_int, "an integer"), ("host", lambda v: isinstance(v, str), "a string"),
+                          ("idle_s", _is_num, "a number"), ("open", lambda v: isinstance(v, list), "a list"),
+                          ("findings", lambda v: isinstance(v, list), "a list"),
+                          ("last", lambda v: v is None or isinstance(v, dict), "an object or null"),
+                          ("waits", lambda v: v is None or isinstance(v, dict), "an object or null")):
+        if key in rec and not ok(rec[key]):
+            return f"key '{key}' must be {kind}, found {rec[key]!r:.60}"
+    for i, c in enumerate(rec.get("open") or []):
+        bad = _check_call(c, f"open[{i}]")
+        if bad:
+            return bad
+    if rec.get("last"):
+        bad = _check_call(rec["last"], "last")
+        if bad:
+            return bad
+    for i, f in enumerate(rec.get("findings") or []):
+        bad = _check_finding(f, f"findings[{i}]")
+        if bad:
+            return bad
+    w = rec.get("waits")
+    if w:
+        n = len(w["steps"]) if isinstance(w.get("steps"), list) and all(map(_is_int, w["steps"])) else -1
+        lists = [w.get("dt"), *(w["w"].values() if isinstance(w.get("w"), dict) else [None])]
+        if n < 0 or any(not isinstance(v, list) or len(v) != n or not all(map(_is_num, v)) for v in lists):
+            return "key 'waits' must hold 'steps' (integers), 'dt' and per group 'w' (numbers), lists of one length"
+    if "group_ranks" in rec and not isinstance(rec["group_ranks"], dict):
+        return f"key 'group_ranks' must be an object (group -> ranks), found {rec['group_ranks']!r:.60}"
+    if rec.get("peers") is not None and not isinstance(rec["peers"], str):
+        return f"key 'peers' must be a string (a group key) or null, found {rec['peers']!r:.60}"
+    return None
+
+
+def attempt_dirs(path: str) -> list[tuple[str, str]]:
+    """``(label, directory)`` of every world that may have left records under run directory ``path``: ``doctor/``
+    (the first world of a job) and ``doctor/restart_<k>/`` (world k: after a torchrun restart, or an elastic job's
+    new world), in order."""
+    d = os.path.join(path, "doctor")
+    if not os.path.isdir(d):
+        return [("records", path)] if os.path.isdir(path) else []
+    out = [("first attempt", d)]
+    restarts = [n for n in os.listdir(d) if n.startswith("restart_") and n[8:].isdigit()]
+    out += [(f"restart {n[8:]}", os.path.join(d, n)) for n in sorted(restarts, key=lambda n: int(n[8:]))]
+    return out
+
+
+def read_run_dir(path: str) -> tuple[dict[int, dict], list[tuple[str, str]]]:
+    """Every usable record in ``path`` (``path/doctor/`` if there is one): rank -> record, of any run; and
+    ``(file, problem)`` of every file that is damaged or not a doctor record."""
+    d = os.path.join(path, "doctor")
+    if not os.path.isdir(d):
+        d = path
+    records: dict[int, list[dict]] = {}
+    bad: list[tuple[str, str]] = []
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if not (name.startswith("rank_") and name.endswith(".json")):
+            continue
+        path_ = os.path.join(d, name)
+        try:
+            with open(path_, encoding="utf-8") as f:
+                rec = json.load(f)
+        except OSError as e:
+            bad.append((path_, f"cannot be read: {e.strerror or e}"))
+            continue
+        except ValueError as e:
+            bad.append((path_, f"is not valid JSON ({e})"))
+            continue
+        problem = check_record(rec)
+        if problem is None and name[5:-5].isdigit() and int(name[5:-5]) != rec["rank"]:
+            problem = f"key 'rank' is {rec['rank']} in the file of rank {name[5:-5]}"
+        if problem:
+            bad.append((path_, problem))
+            continue
+        records.setdefault(rec["rank"], []).append(rec)
+    return {r: max(v, key=_started) for r, v in records.items()}, bad
+
+
+def _started(rec: Mapping[str, Any]) -> float:
+    return float(rec.get("started", rec.get("time", 0.0)))
+
+
+@dataclass
+class Attempt:
+    """The records of one world (one run id: every rank of one torchrun attempt or elastic rendezvous round)."""
+
+    label: str
+    directory: str
+    records: dict[int, dict]
+    started: float
+
+
+@dataclass
+class RunRecords:
+    """What ``megashard doctor`` read: the worlds of the current job, oldest first (the last one is the newest), and
+    what it left aside."""
+
+    kept: list[Attempt] = field(default_factory=list)
+    other_runs: dict[str, list[int]] = field(default_factory=dict)
+    """run id -> ranks of its records that were ignored (another job's or launch's, earlier)."""
+    damaged: list[tuple[str, str]] = field(default_factory=list)
+    """(file, problem) of every file skipped."""
+
+
+def _job_of(rec: Mapping[str, Any]) -> Optional[str]:
+    """What the worlds of one job share: ``job`` (every launcher and restart of one launch), else ``launch``."""
+    return rec.get("job") or rec.get("launch")
+
+
+def read_attempts(run_dir: str) -> RunRecords:
+    """The records of the newest job in ``run_dir``, one :class:`Attempt` per world (run id) of it, with the rest
+    counted.
+
+    Records are grouped by their run id, whatever directory holds them (records written before the ranks of one world
+    agreed on a directory, e.g. by each node's own restart count, are grouped right too); the job is the newest
+    record's, and every world of it is kept, each diagnosed alone: an earlier world's hang is never merged into the
+    current world's table. Without a job id (a script started without a launcher) only the newest world is kept."""
+    out = RunRecords()
+    runs: dict[str, dict[int, dict]] = {}
+    where: dict[str, tuple[str, str]] = {}
+    for label, d in attempt_dirs(run_dir):
+        records, bad = read_run_dir(d)
+        out.damaged += bad
+        for rank, rec in records.items():
+            run = str(rec.get("run"))
+            if rank not in runs.setdefault(run, {}) or _started(rec) > _started(runs[run][rank]):
+                runs[run][rank] = rec
+            where.setdefault(run, (label, d))
+    if not runs:
+        return out
+    first = {run: min(map(_started, recs.values())) for run, recs in runs.items()}
+    newest = max(runs, key=lambda run: max(map(_started, runs[run].values())))
+    job = next((_job_of(r) for r in runs[newest].values() if _job_of(r)), None)
+    for run in sorted(runs, key=lambda k: first[k]):
+        recs = runs[run]
+        mine = run == newest or (job is not None and any(_job_of(r) == job for r in recs.values()))
+        if mine:
+            label, d = where[run]
+            out.kept.append(Attempt(label, d, dict(sorted(recs.items())), first[run]))
+        else:
+            out.other_runs.setdefault(run, []).extend(sorted(recs))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
+    """The hangs the ranks found, merged across ranks: one row per (group, operation), with every rank that waited
+    and every rank named as not reaching it (first description wins), plus ranks that left no record (a record
+    written at start and never again counts as none: the process was killed)."""
+    from megashard.doctor.waitfor import find_cycle
+
+    live = {r: rec for r, rec in records.items() if rec.get("reason") != "start"}
+    written = set(live)
+    live.update(_entered_before_death(records, live))
+    rows: dict[tuple, dict[str, Any]] = {}
+    for rank in sorted(live):
+        for f in live[rank].get("findings") or _after_the_fact(rank, live):
+            key: tuple = (f["group"], f["seq"])  # members in different operations at one number: one row
+            if f.get("p2p"):  # point-to-point: one row per waiting rank (its peers differ)
+                key = (f["group"], f["op"], f["rank"])
+            row = rows.setdefault(key, {"group": f["group"], "name": f["name"], "ranks": f["ranks"], "op": f["op"],
+                                        "seq": f["seq"], "p2p": f.get("p2p") or [], "step": f.get("step"),
+                                        "waiting": [], "culprits": {}, "mismatch": {}, "deadlock": []})
+            row["waiting"].append(f["rank"])
+            if f["op"] not in row["op"].split("/"):
+                row["op"] = "/".join(sorted(row["op"].split("/") + [f["op"]]))
+            for c in f["culprits"]:
+                row["culprits"].setdefault(c["rank"], c)
+            if isinstance(f.get("mismatch"), dict):
+                row["mismatch"].update({str(k): str(v) for k, v in f["mismatch"].items()})
+            if not row["deadlock"] and isinstance(f.get("deadlock"), list):
+                row["deadlock"] = f["deadlock"]
+    for row in rows.values():
+        if not row["deadlock"]:
+            row["deadlock"] = find_cycle(min(row["waiting"]), live)
+    world = max((int(r.get("world_size", 0)) for r in records.values()), default=0)
+    return {"rows": list(rows.values()), "world_size": world, "ranks": sorted(records),
+            "no_record": [r for r in range(world) if r not in written],
+            "started_only": sorted(r for r in records if r not in written)}
+
+
+def _entered_before_death(records: Mapping[int, Mapping], live: Mapping[int, Mapping]) -> dict[int, dict]:
+    """Ranks of this host that left only their start record but whose entry slot is still there (no survivor of
+    theirs published it: torchrun stopped them all at once): their start record with the call they entered, so the
+    after-the-fact diagnosis sees them inside it."""
+    import socket
+
+    from megashard.doctor.board import EntryBoard
+    from megashard.doctor.ledger import parse_entry, with_entry
+
+    out: dict[int, dict] = {}
+    host = socket.gethostname()
+    for r, rec in records.items():
+        if r in live or rec.get("host") != host or not isinstance(rec.get("run"), str):
+            continue
+        board = EntryBoard.reader(rec["run"])
+        pid, line = board.read(r)
+        entry = parse_entry(line) if pid == rec.get("pid") else None
+        if entry is not None:
+            out[r] = dict(with_entry(dict(rec), entry), state="failed", reason="died")
+    return out
+
+
+def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str, Any]]:
+    """A rank stopped inside a call before its own report (e.g. stopped by torchrun after a peer died): the finding
+    from the files the ranks left — a rank without a file counts as dead, one whose doctor ended as gone."""
+    rec = records[rank]
+    opened = rec.get("open") or []
+    if rec.get("reason") == "exit" or not opened or not opened[0].get("ranks"):
+        return []
+    call = opened[0]
+    peers = {p for _, p, _ in call["p2p"]} if call.get("p2p") else set(call["ranks"]) - {rank}
+    alive = {r: False if r not in records or records[r].get("state") in ("exited", "failed") else None for r in peers}
+    return [diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)))]
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """The table ``megashard doctor`` prints: group, operation, step, waiting ranks, and the ranks that never reached
+    it with what they did instead; mismatched calls and deadlocks on lines of their own below it."""
+    from megashard.doctor.diagnose import deadlock_text, mismatch_text
+
+    rows = summary["rows"]
+    if not rows:
+        return "no hang recorded: no rank waited longer than parallel.timeout in a collective"
+    head = ("GROUP", "OPERATION", "STEP", "WAITING RANKS", "NOT REACHED BY (doing instead)")
+    table = []
+    notes = []
+    for row in rows:
+        group = f"{row['name']} {ranks_text(row['ranks'])}"
+        op = (describe_call({"group": row["group"], "name": "", "op": row["op"], "seq": row["seq"],
+                             "p2p": row["p2p"]}).rsplit(" on ", 1)[0])
+        culprits = sorted(row["culprits"].values(), key=lambda c: c["rank"])
+        first = True
+        for c in culprits or [{"rank": None}]:
+            if c["rank"] is None:
+                why = ("every rank reached it, with different calls" if row.get("mismatch") else
+                       "every rank reached it and is alive (mismatched arguments or transport)")
+            else:
+                why = f"rank {c['rank']}: {'reached it, ' if c['reached'] else ''}{c['doing']}"
+            cells = (group, op, str(row["step"]), ", ".join(map(str, sorted(row["waiting"])))) if first else ("",) * 4
+            table.append((*cells, why))
+            first = False
+        if row.get("mismatch"):
+            notes.append(f"{group} {op}: mismatched calls: {mismatch_text(row['mismatch'])}")
+        if row.get("deadlock"):  # one line per cycle, from its lowest rank (each member found the same cycle)
+            cycle = row["deadlock"]
+            i = min(range(len(cycle)), key=lambda j: cycle[j]["rank"])
+            text = f"deadlock: {deadlock_text(cycle[i:] + cycle[:i])}"
+            if text not in notes:
+                notes.append(text)
+    widths = [max(len(r[i]) for r in [head, *table]) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in [head, *table]]
+    return "\n".join([line.rstrip() for line in lines] + notes)
