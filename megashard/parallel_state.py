@@ -169,10 +169,21 @@ def initialize_model_parallel(
     )
     layout = RankLayout(cfg.resolve(n), embedding_ranks=_global_ranks_fn(get_embedding_ranks, rank_offset),
                         position_embedding_ranks=_global_ranks_fn(get_position_embedding_ranks, rank_offset))
-    if not rank_offset <= dist.get_rank() < rank_offset + n:
-        return  # Megatron: a rank outside the layout gets no group (every getter then says it is not initialised)
-    offset = rank_offset if (rank_offset or n != world) else None
-    st = _state.initialize(cfg, layout=layout, rank_offset=offset)
+    if not rank_offset and n == world:
+        st = _state.initialize(cfg, layout=layout)
+    else:  # a layout on part of the world; every rank calls this, as in Megatron (there each create_group is global)
+        from datetime import timedelta
+
+        from megashard.state.pool import balance_world_group_count, pooled_group_count
+
+        before = pooled_group_count()
+        st = None
+        if rank_offset <= dist.get_rank() < rank_offset + n:  # Megatron: a rank outside it gets no group
+            st = _state.initialize(cfg, layout=layout, rank_offset=rank_offset)
+        # ranks inside and outside hold as many groups afterwards, so that later groups spanning both agree on names
+        balance_world_group_count(pooled_group_count() - before, timedelta(minutes=distributed_timeout_minutes))
+        if st is None:
+            return
     st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
 
 

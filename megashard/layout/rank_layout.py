@@ -286,6 +286,16 @@ class RankLayout:
         grid, axes = self._grid_axes(name)
         return grid.group_index(axes, rank)
 
+    def num_groups(self, name: str) -> int:
+        """How many ``name`` groups there are (a hybrid dp·cp slice size that does not divide dp·cp counts Megatron's
+        short last slices too)."""
+        if name in self.hybrid_names:
+            n = self.size("dp_cp")
+            return (self.world_size // n) * -(-n // self.hybrid_names[name])
+        if name in EDGE_GROUPS:
+            return self.world_size // self.size("pp")
+        return self.world_size // self.size(name)
+
     def rank_groups(self, rank: int, names: Iterable[str] = GROUP_NAMES) -> dict[str, list[int]]:
         """Every named group of one rank."""
         return {n: self.group_of(n, rank) for n in names}
