@@ -107,9 +107,9 @@ def balance_world_group_count(created: int, timeout: timedelta) -> int:
         return 0
     import torch
 
-    from megashard.state.agreement import _device
-
-    t = torch.tensor([created], dtype=torch.int64, device=_device(None))
+    # nccl reduces CUDA tensors only (the current device, as init_distributed set it); everything else the CPU's
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+    t = torch.tensor([created], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return placeholder_groups(dist.get_rank(), int(t.item()) - created, timeout)
 
