@@ -64,7 +64,7 @@ def test_corpus_is_prepared_only_once(text_run, capsys):
     _, corpus, p = text_run
     assert p.returncode == 0, _explain(p)
     job = JobConfig.from_yaml(os.path.join(ROOT, "configs", "text.yaml"), [f"data.path={corpus}"])
-    assert ensure_corpus(job) is None
+    assert ensure_corpus(job.data) is None
     job.validate()  # the prepared corpus opens and its 257 ids fit model.vocab_size=384
 
 

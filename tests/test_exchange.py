@@ -234,7 +234,7 @@ def test_receive_buffer_for_needed_and_unneeded_shards():
 def test_object_collectives_work_without_numpy(monkeypatch):
     # torch unpickles received objects through numpy; megashard._compat swaps in a bytearray copy when
     # numpy is unusable. Simulated here (numpy present), on a one-rank gloo group in this process.
-    import megashard._compat as compat
+    import megashard._compat.c10d as compat
     from torch.distributed import distributed_c10d as c10d
 
     if dist.is_initialized():

@@ -162,7 +162,7 @@ def test_bad_options_are_one_line_errors(tmp_path):
     ok = ParallelConfig(nccl_communicator_config_path=str(f), high_priority_stream_groups=["ep_dp"])
     from megashard.config.nccl import nccl_spec
 
-    spec = nccl_spec(ok)
+    spec = nccl_spec(ok.nccl_communicator_config_path, ok.high_priority_stream_groups)
     assert spec["dp_cp"] == spec["hsdp"] == {"cga_cluster_size": 4, "max_ctas": 32, "min_ctas": 1}
     assert spec["tp"] == {"net_name": "IB"} and spec["expt_dp"] == {"is_high_priority_stream": True}
     for text, msg in [("dpcp: {max_ctas: 2}\n", r"unknown group 'dpcp' \(did you mean 'dp_cp'\?\); valid"),

@@ -175,11 +175,11 @@ class _Validator:
                 if job.data.source == "indexed":
                     from megashard.train.data import check_corpus
 
-                    check_corpus(job, tp)
+                    check_corpus(job.data, job.model, job.parallel.seed, tp)
                 elif job.data.source != "synthetic":  # synthetic data: checked by arithmetic in `megashard run`
                     from megashard.train.data import check_samples
 
-                    check_samples(job)
+                    check_samples(job.data, job.model, job.parallel.seed)
                 job.requested_checkpoint()
                 self._files_checked[tp] = None
             except ConfigError as e:

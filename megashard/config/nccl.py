@@ -14,12 +14,9 @@ The YAML maps Megatron's group names to options, e.g.::
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from megashard.errors import ConfigError, unknown_names
-
-if TYPE_CHECKING:
-    from megashard.config.parallel import ParallelConfig
 
 __all__ = ["NCCL_GROUP_NAMES", "NCCL_KEYS", "nccl_options", "nccl_spec", "parse_nccl_config"]
 
@@ -123,12 +120,11 @@ def parse_nccl_config(path: str | None, high_priority_stream_groups: Any = None)
     return cfgs
 
 
-def nccl_spec(config: "ParallelConfig") -> dict[str, dict[str, Any]]:
-    """``{megashard group name: options}`` of ``config`` (read once per file version and group list; {} without
-    options).
+def nccl_spec(path: str | None, high_priority_stream_groups: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{megashard group name: options}`` of a config's ``nccl_communicator_config_path`` and
+    ``high_priority_stream_groups`` (read once per file version and group list; {} without options).
     The hierarchical cp levels appear as ``hcp``."""
-    path = config.nccl_communicator_config_path
-    groups = tuple(config.high_priority_stream_groups or ()) or None
+    groups = tuple(high_priority_stream_groups or ()) or None
     if path is None and groups is None:
         return {}
     try:  # the file's identity and version: an edited file is read again

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from megashard.config.sizes import MAX_WORLD_SIZE, ORDER_TOKENS, ResolvedSizes, resolve_sizes
+from megashard.config.sizes import MAX_WORLD_SIZE, ORDER_TOKENS, ResolvedSizes, full_order, resolve_sizes
 from megashard.errors import ConfigError, unknown_names
 
 BACKENDS = ("auto", "nccl", "gloo", "fake")
@@ -237,7 +237,8 @@ class ParallelConfig:
                                       f"cp={self.cp}; give level sizes whose product is {self.cp}")
         from megashard.config.nccl import nccl_spec
 
-        nccl_spec(self)  # reads and checks the NCCL communicator config (cached): errors now, not at start-up
+        # reads and checks the NCCL communicator config (cached): errors now, not at start-up
+        nccl_spec(self.nccl_communicator_config_path, self.high_priority_stream_groups)
 
     def _check_comm_options(self) -> None:
         """``pp_backend`` and ``sharp_group``: what can be checked without torch (the backend's presence is checked
@@ -260,22 +261,9 @@ class ParallelConfig:
                               "Megatron's num_distributed_optimizer_instances > 1); use sharp_group: dp")
 
     def full_order(self) -> list[str]:
-        """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule)."""
-        tokens = self.order.lower().split("-")
-        missing = [t for t in ORDER_TOKENS if t not in tokens]
-        if self.gtp_remat > 1 or self.expt_gtp_remat > 1:
-            # Megatron injects gtp_remat after tp (expert: after ep, else after tp) and at the front when the anchor
-            # is not in order: a missing (size-1) tp goes first, a missing ep right after tp, so that the axes
-            # placed after them (RankLayout) land where Megatron's do.
-            front = ["tp"] if "tp" in missing else []
-            if "ep" in missing and self.expt_gtp_remat > 1:
-                if front:
-                    front.append("ep")
-                else:
-                    tokens.insert(tokens.index("tp") + 1, "ep")
-            tokens = front + tokens
-            missing = [t for t in missing if t not in tokens]
-        return tokens + missing
+        """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule;
+        :func:`~megashard.config.sizes.full_order`)."""
+        return full_order(self.order, self.gtp_remat, self.expt_gtp_remat)
 
     def resolve(self, world_size: int) -> ResolvedSizes:
         """All sizes for ``world_size`` ranks, every ``-1`` filled in; raises ConfigError naming the rule broken.

@@ -3,24 +3,76 @@
 :func:`resolve_sizes` (called as :meth:`ParallelConfig.resolve <megashard.config.ParallelConfig.resolve>`) fills
 every ``-1`` of a validated config for a world size and checks that the sizes fit it, raising
 :class:`~megashard.errors.ConfigError` naming the rule broken; :class:`ResolvedSizes` is what it returns and
-what :class:`~megashard.layout.RankLayout` is built from.
+what :class:`~megashard.layout.RankLayout` is built from. It reads the requested sizes through
+:class:`SizeRequest` (what a :class:`~megashard.config.ParallelConfig` offers), so this arithmetic sits below the
+config class that calls it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol, Sequence
 
 from megashard.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megashard.config.parallel import ParallelConfig
 
 #: Axis tokens allowed in ``order`` (Megatron's RankGenerator tokens).
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 #: Largest world size megashard plans or initialises: 2^24 = 16,777,216 ranks (far beyond any machine; it
 #: bounds the cost of per-rank work such as meshes and listing groups).
 MAX_WORLD_SIZE = 1 << 24
+
+
+class SizeRequest(Protocol):
+    """The requested sizes :func:`resolve_sizes` reads (a :class:`~megashard.config.ParallelConfig` is one): the
+    fields of the same names, ``-1`` = derive; documented there."""
+
+    @property
+    def tp(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def vpp(self) -> Optional[int]: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def dp_outer(self) -> int: ...
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def expt_tp(self) -> int: ...
+    @property
+    def expt_dp(self) -> int: ...
+    @property
+    def gtp_remat(self) -> int: ...
+    @property
+    def expt_gtp_remat(self) -> int: ...
+    @property
+    def order(self) -> str: ...
+    @property
+    def hierarchical_context_parallel_sizes(self) -> Optional[Sequence[int]]: ...
+
+
+def full_order(order: str, gtp_remat: int = 1, expt_gtp_remat: int = 1) -> list[str]:
+    """The tokens of ``order`` with the missing (size-1) axes appended: Megatron's RankGenerator rule."""
+    tokens = order.lower().split("-")
+    missing = [t for t in ORDER_TOKENS if t not in tokens]
+    if gtp_remat > 1 or expt_gtp_remat > 1:
+        # Megatron injects gtp_remat after tp (expert: after ep, else after tp) and at the front when the anchor
+        # is not in order: a missing (size-1) tp goes first, a missing ep right after tp, so that the axes
+        # placed after them (RankLayout) land where Megatron's do.
+        front = ["tp"] if "tp" in missing else []
+        if "ep" in missing and expt_gtp_remat > 1:
+            if front:
+                front.append("ep")
+            else:
+                tokens.insert(tokens.index("tp") + 1, "ep")
+        tokens = front + tokens
+        missing = [t for t in missing if t not in tokens]
+    return tokens + missing
 
 
 def _divisors(n: int) -> list[int]:
@@ -94,7 +146,7 @@ class ResolvedSizes:
         return d
 
 
-def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
+def resolve_sizes(config: SizeRequest, world_size: int) -> ResolvedSizes:
     """All sizes of ``config`` (validated when it was built) for ``world_size`` ranks, every ``-1`` filled in;
     raises ConfigError naming the rule broken. Pure arithmetic: the config is not checked again."""
     check_world_size(world_size)
@@ -111,7 +163,7 @@ def resolve_sizes(config: "ParallelConfig", world_size: int) -> ResolvedSizes:
     return dataclasses.replace(sizes, world_size=world_size)
 
 
-def _resolve(config: "ParallelConfig", world_size: int, G: int, E: int) -> ResolvedSizes:
+def _resolve(config: SizeRequest, world_size: int, G: int, E: int) -> ResolvedSizes:
     """:func:`resolve_sizes` on ``world_size`` = world / gtp_remat (the dense grid without its gtp_remat axis)."""
     W = world_size
     tp, cp, pp, dp, dpo, dps = config.tp, config.cp, config.pp, config.dp, config.dp_outer, config.dp_shard
@@ -208,7 +260,7 @@ def _resolve(config: "ParallelConfig", world_size: int, G: int, E: int) -> Resol
             "set expt_dp: -1 to derive it"
         )
     edp = derived_edp
-    order = config.full_order()
+    order = full_order(config.order, G, E)
     sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp_resolved, "pp": pp}
     missing = [t for t in ORDER_TOKENS if t not in config.order.lower().split("-") and sizes[t] > 1]
     if missing:

@@ -282,8 +282,8 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
     if not dry_run:
         from megashard.train.data import check_corpus, ensure_corpus
 
-        if ensure_corpus(job):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
-            check_corpus(job, s.tp)  # validate() let the corpus be missing: check the one just prepared
+        if ensure_corpus(job.data):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
+            check_corpus(job.data, job.model, job.parallel.seed, s.tp)  # validate() let the corpus be missing: check the one just prepared
     keys = ("tp", "cp", "pp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
     layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
     if s.pp > 1:

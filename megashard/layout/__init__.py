@@ -23,9 +23,9 @@ from megashard.layout.groups import (
     NODE_LOCAL_GROUPS,
 )
 from megashard.layout.modules import Link, ModuleLayout, MultiModuleLayout, pair_modules
-from megashard.layout.node_locality import LocalityReport, locality, locality_warning
+from megashard.layout.node_locality import LocalityReport, locality_warning
 from megashard.layout.rank_generator import RankGenerator
-from megashard.layout.rank_layout import RankLayout, default_embedding_ranks, default_position_embedding_ranks
+from megashard.layout.rank_layout import RankLayout, default_embedding_ranks, default_position_embedding_ranks, locality
 
 __all__ = [
     "DENSE_GROUPS", "DENSE_MESH_AXES", "EDGE_GROUPS", "EXPERT_GROUPS", "EXPERT_HSDP_MESH_AXES", "EXPERT_MESH_AXES",

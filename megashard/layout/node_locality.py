@@ -1,20 +1,23 @@
 """Node locality: which groups of a layout cross node boundaries, counted without listing any group.
 
 With ``G`` ranks per node (node = rank // G) a group crosses a boundary when its members sit on more than one
-node. :func:`locality` counts that per group name by arithmetic on the group bases (a 16,777,216-rank report takes
-milliseconds) and warns about the names whose collectives should stay inside a node (``NODE_LOCAL_GROUPS``).
+node. :func:`locality_report` counts that per group name by arithmetic on the group bases (a 16,777,216-rank report
+takes milliseconds) and warns about the names whose collectives should stay inside a node (``NODE_LOCAL_GROUPS``).
+It reads a group name's axes as ``(size, rank stride)`` pairs — what :meth:`RankLayout.group_dims
+<megashard.layout.RankLayout.group_dims>` gives, and :meth:`RankLayout.locality <megashard.layout.RankLayout.locality>`
+hands in — so this arithmetic knows no layout class.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from megashard.errors import ConfigError
-from megashard.layout.groups import GROUP_NAMES, NODE_LOCAL_GROUPS
+from megashard.layout.groups import NODE_LOCAL_GROUPS
 
-if TYPE_CHECKING:
-    from megashard.layout.rank_layout import RankLayout
+#: ``(size, rank stride)`` of each axis, fastest first
+Dims = Sequence[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,12 @@ def _bases_below(x: int, masked: Sequence[tuple[int, int]], rest: Sequence[tuple
     return count
 
 
-def locality(layout: "RankLayout", ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
+def locality_report(ranks_per_node: int, world_size: int, dims: Iterable[tuple[str, Dims, Dims]]) -> LocalityReport:
     """Count, per group name, the groups whose members sit on more than one node (node = rank // G), and warn
     about node-local names (NODE_LOCAL_GROUPS) that cross; :meth:`RankLayout.locality` calls this.
+
+    ``dims``: ``(name, masked, rest)`` per group name — the axes a group of that name spans and the other axes of
+    its grid, as :meth:`RankLayout.group_dims` gives them (read after ``ranks_per_node`` is checked).
 
     Computed without listing any group: a group is ``base + offsets`` with the smallest offset 0 and the largest ``span``, so (when
     ``span < G``) it crosses a node boundary iff ``base % G + span >= G``. Either the residues of the
@@ -96,13 +102,10 @@ def locality(layout: "RankLayout", ranks_per_node: int, names: Iterable[str] = G
     """
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ConfigError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
-    G, W = ranks_per_node, layout.world_size
+    G, W = ranks_per_node, world_size
     crossing: dict[str, tuple[int, int]] = {}
     warnings = []
-    for name in names:
-        if name == "world":
-            continue
-        masked, rest = layout.group_dims(name)  # also validates the name
+    for name, masked, rest in dims:
         size = math.prod(s for s, _ in masked)
         n_groups = W // size
         span = sum((s - 1) * d for s, d in masked)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from megashard.errors import ConfigError
 from megashard.layout.grid import GroupMembers
 from megashard.layout.groups import DENSE_MESH_AXES, EXPERT_MESH_AXES, GROUP_NAMES, NODE_LOCAL_GROUPS
-from megashard.layout.node_locality import LocalityReport, locality
+from megashard.layout.node_locality import LocalityReport
 from megashard.layout.rank_layout import RankLayout
 
 #: Most rank ids a plan may list in full (every group of the shown names for --format json or --all-groups,
@@ -62,7 +62,7 @@ def build_plan(
             "group_index": layout.group_index(n, rank),
             "num_groups": layout.num_groups(n),
         }
-    report = report or locality(layout, ranks_per_node)
+    report = report or layout.locality(ranks_per_node)
     plan: dict[str, Any] = {
         "sizes": {k: sizes[k] for k in SIZE_KEYS + OPTIONAL_SIZE_KEYS if k in sizes},
         "mesh": {

@@ -12,7 +12,7 @@ from xml.sax.saxutils import escape
 
 from megashard.errors import ConfigError
 from megashard.layout.groups import EXPERT_GROUPS
-from megashard.layout.node_locality import LocalityReport, locality
+from megashard.layout.node_locality import LocalityReport
 from megashard.layout.plan import format_members
 from megashard.layout.rank_layout import RankLayout
 
@@ -114,7 +114,7 @@ def render_svg(
     else:
         shown = (max_ranks // G) * G or max_ranks
     panels = {n: [] for n in names} if names else default_svg_groups(layout, shown)
-    report = report or locality(layout, G)
+    report = report or layout.locality(G)
 
     # Geometry: a node is a block of cpr columns; rows of blocks fill ~32 cells of width.
     cell = 30 if shown <= 128 else 22 if shown <= 512 else 16

@@ -35,7 +35,7 @@ def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """The first pipeline stage, as Megatron-LM."""
     return [pp_ranks[0]]
-from megashard.layout.node_locality import LocalityReport, locality
+from megashard.layout.node_locality import LocalityReport, locality_report
 
 if TYPE_CHECKING:
     from megashard.layout.rank_generator import RankGenerator
@@ -357,8 +357,10 @@ class RankLayout:
     # ------------------------------------------------------------------ locality
     def locality(self, ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
         """Count, per group name, the groups whose members sit on more than one node (node = rank // G), without
-        listing any group (:func:`megashard.layout.node_locality.locality`)."""
-        return locality(self, ranks_per_node, names)
+        listing any group (:func:`megashard.layout.node_locality.locality_report`)."""
+        # group_dims also checks each name (after locality_report has checked ranks_per_node: the generator is lazy)
+        dims = ((name, *self.group_dims(name)) for name in names if name != "world")
+        return locality_report(ranks_per_node, self.world_size, dims)
 
     def describe(self) -> dict[str, int]:
         """The world size and every resolved axis size."""
@@ -366,3 +368,8 @@ class RankLayout:
         out = {k: getattr(s, k) for k in ("world_size", "tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")}
         out.update({k: getattr(s, k) for k in ("gtp_remat", "expt_gtp_remat") if getattr(s, k) > 1})
         return out
+
+
+def locality(layout: RankLayout, ranks_per_node: int, names: Iterable[str] = GROUP_NAMES) -> LocalityReport:
+    """``layout.locality(ranks_per_node, names)``: which groups cross node boundaries, without listing any."""
+    return layout.locality(ranks_per_node, names)

@@ -172,7 +172,8 @@ class ParallelState:
     def _create_groups(self) -> None:
         by_ranks: dict[tuple, dist.ProcessGroup] = {}
         # NCCL options per group name (Megatron's communicator config), applied on nccl only.
-        spec = nccl_spec(self.config) if "nccl" in str(dist.get_backend()) or self.pp_backend == "nccl" else {}
+        spec = (nccl_spec(self.config.nccl_communicator_config_path, self.config.high_priority_stream_groups)
+                if "nccl" in str(dist.get_backend()) or self.pp_backend == "nccl" else {})
         rank = self.layout_rank
         created = 0
         if self.config.sharp_group:  # NCCL SHARP goes on the first communicator made with CollNet on: this one first

@@ -11,15 +11,39 @@ otherwise :class:`ProcessGroupCollection`, a stand-in with the same field names.
 Two kinds of groups ride along as attributes that Megatron-LM 0.19's class has no field for: the gloo groups
 (:data:`GLOO_FIELDS`) and ``hybrid_dp_cp``, the hybrid dp·cp groups by size (``{2: group, 4: group}``, Megatron's
 ``_HYBRID_DP_CP_GROUPS``; empty without ``hybrid_context_parallel``).
+
+It reads the groups through :class:`GroupSource` (what a ``ParallelState`` offers), so it sits below the state
+class whose ``pg_collection()`` calls it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from megashard.state.core import ParallelState
+    import torch.distributed as dist
 
-__all__ = ["EXTRA_FIELDS", "GLOO_FIELDS", "PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
+    from megashard.config import ResolvedSizes
+
+
+class GroupSource(Protocol):
+    """The groups of one rank by megashard name (a :class:`~megashard.state.ParallelState` is one; documented
+    there). ``all_gather_groups`` ({Megatron field: group}), when present, is read with ``getattr``."""
+
+    @property
+    def sizes(self) -> ResolvedSizes: ...
+
+    def group(self, name: str) -> dist.ProcessGroup: ...
+
+    def in_group(self, name: str) -> bool: ...
+
+    def hcp_groups(self) -> list[dist.ProcessGroup]: ...
+
+    def gloo_group(self, name: str) -> dist.ProcessGroup: ...
+
+    def hybrid_dp_cp_groups(self) -> dict[int, dist.ProcessGroup]: ...
+
+
+__all__ = ["EXTRA_FIELDS", "GLOO_FIELDS", "GroupSource", "PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
 
 #: Megatron-LM 0.19's ProcessGroupCollection fields -> megashard group name (None: not set, as in Megatron's
 #: ``use_mpu_process_groups``; "hcp": the list of hierarchical cp groups).
@@ -41,7 +65,7 @@ GLOO_FIELDS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp", "intra_dp
 EXTRA_FIELDS = ("hybrid_dp_cp",)
 
 
-def _gloo_groups(state: "ParallelState") -> dict[str, Any]:
+def _gloo_groups(state: GroupSource) -> dict[str, Any]:
     from megashard.errors import StateError
 
     s = state.sizes
@@ -84,7 +108,7 @@ class ProcessGroupCollection:
         return f"ProcessGroupCollection({', '.join(parts) or 'empty'})"
 
 
-def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
+def pg_collection_groups(state: GroupSource) -> dict[str, Any]:
     """``{field: process group (or list, or None)}`` for every Megatron field, from ``state``."""
     out: dict[str, Any] = {}
     for field, name in PG_FIELDS.items():
@@ -103,7 +127,7 @@ def pg_collection_groups(state: "ParallelState") -> dict[str, Any]:
     return out
 
 
-def pg_collection(state: "ParallelState", megatron: bool | None = None) -> Any:
+def pg_collection(state: GroupSource, megatron: bool | None = None) -> Any:
     """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable (``megatron`` None)
     or required (True), megashard's stand-in otherwise or with ``megatron=False``. The gloo groups ride along as
     :data:`GLOO_FIELDS` attributes (``pgs.dp_gloo``, ``pgs.intra_dp_cp_gloo`` …), the hybrid dp·cp groups as

@@ -28,7 +28,7 @@ __all__ = ["CheckpointFunction", "checkpoint", "checkpoint_nonreentrant"]
 
 def _tp_group() -> Any:
     try:
-        from megashard.state import get_parallel_state
+        from megashard.state.current import get_parallel_state
 
         return get_parallel_state().group("tp")
     except (ImportError, StateError) as exc:

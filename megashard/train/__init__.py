@@ -3,9 +3,9 @@
 Modules: ``config`` (the job's YAML sections), ``sections`` (one dataclass per section), ``data``
 (deterministic batches), ``pipeline`` (the pipeline schedule), ``placement`` (stages and experts for
 ``megashard plan``), ``checkpointing`` (DCP save/resume), ``ckptlock`` (one job per checkpoint directory),
-``loop`` (:func:`train`), ``metrics``, ``hf_io`` and ``hf_dir`` (Hugging Face import/export). The models live in
-:mod:`megashard.models`, the processes that run the job (torchrun command line, agent, worker, lifelines) in
-:mod:`megashard.launch`.
+``build`` (the model and optimizer), ``loop`` (:func:`train`), ``metrics``, ``hf_io`` and ``hf_dir`` (Hugging
+Face import/export). The models live in :mod:`megashard.models`, the processes that run the job (torchrun command
+line, agent, worker, lifelines) in :mod:`megashard.launch`.
 """
 
 # The modules that moved out of this package (issue 21) keep their old import paths, for scripts and for

@@ -202,11 +202,11 @@ class JobConfig:
         elif self.data.source == "indexed":
             from megashard.train.data import check_corpus
 
-            check_corpus(self, s.tp)  # the files exist and open, the vocabulary fits, the samples (check_samples)
+            check_corpus(self.data, self.model, self.parallel.seed, s.tp)  # the files exist and open, the vocabulary fits, the samples (check_samples)
         else:
             from megashard.train.data import check_samples
 
-            check_samples(self)  # what each worker would find: enough data for a training sample
+            check_samples(self.data, self.model, self.parallel.seed)  # what each worker would find: enough data for a training sample
         self.requested_checkpoint()
         return s
 
@@ -378,7 +378,7 @@ class JobConfig:
         if m.init_from is not None:
             from megashard.train.hf_dir import check_init_from
 
-            check_init_from(self)  # config.json against this section, tensor names and shapes: before any process
+            check_init_from(self.model, self.ffn_hidden)  # config.json against this section, tensor names and shapes: before any process
         _need(d.source in SOURCES, f"data.source={d.source!r} is not supported; valid: {', '.join(SOURCES)}")
         _need(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
         _need(t.eval_interval >= 0 and t.eval_batches >= 1,

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from megashard.errors import ConfigError, DataError
 from megashard.train.sections import DataConfig, ModelConfig
-
-if TYPE_CHECKING:  # JobConfig.validate calls check_corpus: at run time the job is handed in, never imported
-    from megashard.train.config import JobConfig
 
 __all__ = ["Batches", "synthetic_sequences", "data_paths", "blend_pairs", "check_corpus", "check_samples", "ensure_corpus",
            "build_samples"]
@@ -107,13 +104,14 @@ def _pad(v: int, multiple: int) -> int:
     return -(-v // multiple) * multiple
 
 
-def check_corpus(job: JobConfig, tp: int) -> None:
+def check_corpus(data: DataConfig, model: ModelConfig, seed: int, tp: int) -> None:
     """``data.source: indexed``: every dataset opens (headers and sizes checked) and ``model.vocab_size`` covers
-    its tokenizer's vocabulary (from the corpus metadata). A corpus that ``megashard run`` will prepare
-    (``data.prepare_inputs``) may still be missing."""
+    its tokenizer's vocabulary (from the corpus metadata), then :func:`check_samples`. A corpus that
+    ``megashard run`` will prepare (``data.prepare_inputs``) may still be missing. ``seed``: the job's
+    ``parallel.seed``; ``tp``: its tensor-parallel size (the vocabulary pads to a multiple of it)."""
     from megashard.data.corpus import corpus_exists, open_tokens, read_meta
 
-    d, m = job.data, job.model
+    d, m = data, model
     seen: dict[str, Any] = {}
     missing = False
     for _, path in data_paths(d):
@@ -139,7 +137,7 @@ def check_corpus(job: JobConfig, tp: int) -> None:
                               f"{meta.get('eod_id')}), {other} has {seen[other][0]} ({seen[other][1]})")
         seen[path] = key
     if not missing:
-        check_samples(job)
+        check_samples(d, m, seed)
 
 
 #: Datasets without a recorded vocabulary (flat token files, corpora without metadata) up to this size are scanned
@@ -147,20 +145,21 @@ def check_corpus(job: JobConfig, tp: int) -> None:
 SCAN_BYTES = 256 << 20
 
 
-def check_samples(job: JobConfig) -> None:
+def check_samples(data: DataConfig, model: ModelConfig, seed: int) -> None:
     """What every worker would otherwise find on its own, and print once per rank and per restart: build the job's
     samples as the workers do (files are mapped, no token is read) — every dataset holds a sample of
     ``model.seq_len + 1`` tokens and a training sample after the validation split, every blend weight can be
     drawn — and check the token ids of a dataset without a recorded vocabulary against ``model.vocab_size``.
-    Synthetic data is checked by arithmetic (building it takes a while). DataError / ConfigError, one line."""
+    Synthetic data is checked by arithmetic (building it takes a while). ``seed``: the job's ``parallel.seed`` (as
+    :class:`Batches` takes it). DataError / ConfigError, one line."""
     from megashard.data.corpus import read_meta
     from megashard.data.samples import Split
 
-    d, m = job.data, job.model
+    d, m = data, model
     if d.source == "synthetic":
         Split(d.num_sequences, d.valid_fraction, 0, name=f"synthetic data (data.num_sequences={d.num_sequences})")
         return
-    samples = build_samples(d, m, job.parallel.seed + d.seed)
+    samples = build_samples(d, m, seed + d.seed)
     for src in samples.sources:
         stream = src.stream
         dtype = getattr(stream, "dtype", None)
@@ -182,12 +181,12 @@ def check_samples(job: JobConfig) -> None:
                                   f"{d.flat_dtype}")
 
 
-def ensure_corpus(job: JobConfig, stream: Any = None) -> Optional[str]:
+def ensure_corpus(data: DataConfig, stream: Any = None) -> Optional[str]:
     """In the launcher, before any worker starts: prepare ``data.path`` from ``data.prepare_inputs`` if it has no
     complete corpus yet (with a one-line note on stderr). Returns the note, or ``None`` if nothing was done."""
     from megashard.data.corpus import corpus_exists
 
-    d = job.data
+    d = data
     if d.source != "indexed" or not d.prepare_inputs or d.path is None or d.blend is not None or corpus_exists(d.path):
         return None
     from megashard.data.prepare import prepare

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megashard.errors import ConfigError, require_extra
+from megashard.models.config import ModelConfig
 from megashard.models.hf import check_hf_config, hf_shapes, mapping
-
-if TYPE_CHECKING:
-    from megashard.train.config import JobConfig
 
 __all__ = ["INDEX", "SINGLE", "check_init_from"]
 
@@ -62,9 +60,10 @@ def _resolve_names(wm: dict[str, str], wanted: list[str]) -> dict[str, str]:
     return out
 
 
-def check_init_from(job: "JobConfig") -> None:
-    """Every check of ``model.init_from`` that reads no tensor data (one-line :class:`ConfigError` s)."""
-    m = job.model
+def check_init_from(model: ModelConfig, ffn_hidden: int) -> None:
+    """Every check of ``model.init_from`` that reads no tensor data (one-line :class:`ConfigError` s), for the
+    model section and its MLP size (``JobConfig.ffn_hidden``)."""
+    m = model
     root = m.init_from
     if root is None:
         return
@@ -82,9 +81,9 @@ def check_init_from(job: "JobConfig") -> None:
         raise ConfigError(f"model.init_from={root!r} has no config.json: give a Hugging Face model directory") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.init_from: {cfg_path} is not valid JSON ({e})") from None
-    check_hf_config(doc, m, job.ffn_hidden, cfg_path)
+    check_hf_config(doc, m, ffn_hidden, cfg_path)
     wm = _weight_map(root)
-    shapes = hf_shapes(mapping(m, job.ffn_hidden))
+    shapes = hf_shapes(mapping(m, ffn_hidden))
     names = _resolve_names(wm, list(shapes))
     missing = [n for n in shapes if names[n] not in wm]
     if missing:

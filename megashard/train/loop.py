@@ -22,16 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megashard.state.devices import current_device
+from megashard.train.build import build, full_gradients, full_parameters
 from megashard.train.clip import clip_grad_norm
 from megashard.train.config import JobConfig
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
-__all__ = ["train", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "full_gradients",
+__all__ = ["train", "TrainRun", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "full_gradients",
            "job_fingerprint"]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -79,88 +78,6 @@ def lr_at(step: int, job: JobConfig) -> float:
 def _all_reduce(t: torch.Tensor, state: ParallelState, name: str) -> None:
     if state.size(name) > 1:
         dist.all_reduce(t, group=state.group(name))
-
-
-# ---------------------------------------------------------------------------------------------- building
-def build(job: JobConfig, state: ParallelState) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The parallelized model (initialised from the seed) and its AdamW, for the current layout.
-
-    With ``pp > 1`` the model is a :class:`~megashard.train.pipeline.PipelineModel` of this rank's stages
-    (:func:`megashard.models.stages.stage_specs`), each sharded with FSDP2 on its own.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from megashard.models.gpt.model import GPT, ModelGroups, init_parameters
-    from megashard.models.parallelize import parallelize
-
-    dtype = _DTYPES[job.train.dtype]
-    param_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # bf16: fp32 master weights, bf16 compute
-    groups = ModelGroups.from_state(state)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
-    device = current_device(state.device_type)
-
-    def make(stage: Any = None) -> torch.nn.Module:
-        m = GPT(job.model, groups, ffn_hidden=job.ffn_hidden, moe_layers=job.moe_layers(), dtype=param_dtype,
-                device=device, stage=stage)
-        init_parameters(m, job.parallel.seed, groups)
-        if job.train.compile:  # each block's body; FSDP's hooks stay outside (megashard.models.compile)
-            from megashard.models.compile import compile_blocks
-
-            compile_blocks(m, job.train.compile_backend)
-        return m
-
-    pp = state.size("pp")
-    if pp > 1:
-        from megashard.train.pipeline import PipelineModel
-        from megashard.models.stages import stage_specs
-
-        specs = stage_specs(job.model.layers, state.rank_in("pp"), pp, state.sizes.vpp or 1, job.train.pipeline_schedule)
-        parts = [make(spec) for spec in specs]
-        for part in parts:
-            parallelize(part, state, mp_policy=mp, reshard_after_forward=job.train.reshard_between_microbatches)
-        model: torch.nn.Module = PipelineModel(parts)
-    else:
-        model = parallelize(make(), state, mp_policy=mp)
-    if job.model.init_from is not None:  # Hugging Face weights instead of the seeded init (each rank its slices)
-        from megashard.train.hf_io import load_init_from
-
-        load_init_from(model, job, state)
-    from megashard.train.optim import build_optimizer
-
-    optimizer = build_optimizer(model, job.optim)
-    return model, optimizer
-
-
-def full_parameters(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
-    """Every parameter as the full global tensor (on every rank; collective). For tests and exports."""
-    from megashard.models.parallelize import global_dtensor, local_tensor
-    from megashard.tensors.uneven.gather import full_tensor
-
-    # Stages hold different parameters; the pp axis of each global DTensor is Replicate, so full_tensor()
-    # communicates within the stage only. The stages' dicts are then shared over pp.
-    out = {n: full_tensor(global_dtensor(local_tensor(p.detach()), p, state)) for n, p in model.named_parameters()}
-    return _merge_over_pp(out, state)
-
-
-def full_gradients(model: torch.nn.Module, state: ParallelState) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the full global tensor (on every rank; collective). For tests."""
-    from megashard.models.parallelize import global_dtensor, local_tensor
-    from megashard.tensors.uneven.gather import full_tensor
-
-    out = {n: full_tensor(global_dtensor(local_tensor(p.grad.detach()), p, state))
-           for n, p in model.named_parameters() if p.grad is not None}
-    return _merge_over_pp(out, state)
-
-
-def _merge_over_pp(out: dict[str, torch.Tensor], state: ParallelState) -> dict[str, torch.Tensor]:
-    if state.size("pp") == 1:
-        return out
-    parts: list[Any] = [None] * state.size("pp")
-    dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=state.group("pp"))
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
 
 
 @torch.no_grad()
@@ -217,158 +134,219 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
     ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
     to compare parameters). Returns a :class:`TrainResult` on every rank.
     """
-    import megashard.state as ms
-    from megashard.progress import ProgressBar
-    from megashard.state.rng import model_parallel_manual_seed
-    from megashard.train.checkpointing import resume_checkpoint, save_checkpoint
-    from megashard.train.data import Batches
-    from megashard.train.metrics import MetricsWriter, plot_loss, read_metrics
-    from megashard.models.parallelize import finish_expert_grads
-
-    ms.init_distributed(job.parallel)
-    # Every rank must run the same job: checked in the first collective, before any other group exists.
-    agree_on = job_fingerprint(job)
-    own_state = not ms.is_initialized()
-    if own_state:
-        state = ms.initialize(job.parallel, agree_on=agree_on)  # resolves the parallel section: once
-    else:
-        from megashard.state.agreement import check_ranks_agree, fingerprint
-
-        check_ranks_agree(fingerprint(job.parallel, agree_on), timeout=job.parallel.timeout)
-        state = ms.get_parallel_state()
-    rank = dist.get_rank()
-    t = job.train
-    lock = saver = doc = None
-    finished = False
+    run = TrainRun(job)
     try:
-        doc = _start_doctor(job, state)
-        if own_state:
-            sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
+        run.start()
+        run.resume()
+        for step in range(run.result.start_step, job.train.steps):
+            run.step(step)
+            run.save(step + 1)
+        return run.end(on_end)
+    finally:
+        run.close()
+
+
+class TrainRun:
+    """One run of a job on this rank, in the order :func:`train` follows: joining (the constructor), :meth:`start`,
+    :meth:`resume`, per step :meth:`step` then :meth:`save`, :meth:`end`, and :meth:`close` (always, last: it lets go
+    of what the run holds, also after an error)."""
+
+    def __init__(self, job: JobConfig) -> None:
+        """Join the world and the parallel state. Every rank must run the same job: checked in the first collective,
+        before any other group exists."""
+        import megashard.state as ms
+
+        ms.init_distributed(job.parallel)
+        agree_on = job_fingerprint(job)
+        self.job = job
+        self.own_state = not ms.is_initialized()
+        """True when this run made the parallel state (and so destroys it at the end)."""
+        if self.own_state:
+            self.state: ParallelState = ms.initialize(job.parallel, agree_on=agree_on)  # resolves the parallel section: once
+        else:
+            from megashard.state.agreement import check_ranks_agree, fingerprint
+
+            check_ranks_agree(fingerprint(job.parallel, agree_on), timeout=job.parallel.timeout)
+            self.state = ms.get_parallel_state()
+        self.rank = dist.get_rank()
+        self.lock: Any = None  # rank 0's hold on the checkpoint directory
+        self.saver: Any = None  # checkpoint.async: the background saver
+        self.doc: Any = None  # the hang doctor this run enabled
+        self.finished = False
+
+    def start(self) -> None:
+        """The hang doctor, the rest of the job validated against the layout, rank 0's hold on the checkpoint
+        directory, and the model and its optimizer built from the seed."""
+        from megashard.state.rng import model_parallel_manual_seed
+
+        job, state = self.job, self.state
+        self.doc = _start_doctor(job, state)
+        if self.own_state:
+            self.sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
         else:  # someone else's state: the job's own sizes must be the state's
-            sizes = job.validate(dist.get_world_size())
-            if state.sizes != sizes:
+            self.sizes = job.validate(dist.get_world_size())
+            if state.sizes != self.sizes:
                 from megashard.errors import ConfigError
 
                 raise ConfigError(f"megashard is already initialised with another layout ({state!r}) than the job's "
-                                  f"parallel section ({sizes.as_dict()}); call megashard.destroy() first or use the "
-                                  "same sizes")
-        if rank == 0:
-            lock = _hold_checkpoint_dir(job)
-        seed = job.parallel.seed
-        model_parallel_manual_seed(seed)
-        model, optimizer = build(job, state)
-        ckpt_root = job.checkpoint_dir
-        # newest that verifies, or the requested one; run_id: what this run's checkpoints record (and prune)
-        found, start, run_id = resume_checkpoint(job, model, optimizer, state)
-        if found is not None and rank == 0:
+                                  f"parallel section ({self.sizes.as_dict()}); call megashard.destroy() first or use "
+                                  "the same sizes")
+        if self.rank == 0:
+            self.lock = _hold_checkpoint_dir(job)
+        model_parallel_manual_seed(job.parallel.seed)
+        self.model, self.optimizer = build(job, state)
+
+    def resume(self) -> None:
+        """From the newest checkpoint that verifies (or the requested one), then what the steps from its step on
+        need: the batches, rank 0's metrics and progress bar, the pipeline schedule, the background saver. The clock
+        of the training steps starts here."""
+        from megashard.progress import ProgressBar
+        from megashard.train.checkpointing import resume_checkpoint
+        from megashard.train.data import Batches
+        from megashard.train.metrics import MetricsWriter
+
+        job, state, sizes, t = self.job, self.state, self.sizes, self.job.train
+        # run_id: what this run's checkpoints record (and prune)
+        found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state)
+        if found is not None and self.rank == 0:
             from megashard.train.startpoint import read_record, resumed_line
 
             print(resumed_line(job, found, start, read_record(found), sizes), file=sys.stderr, flush=True)
-        data = Batches(job.data, job.model, t.global_batch, seed, dp_rank=state.rank_in("dp"), dp_size=sizes.dp,
-                       cp_rank=state.rank_in("cp"), cp_size=sizes.cp, device=current_device(state.device_type))
+        self.data = Batches(job.data, job.model, t.global_batch, job.parallel.seed, dp_rank=state.rank_in("dp"),
+                            dp_size=sizes.dp, cp_rank=state.rank_in("cp"), cp_size=sizes.cp,
+                            device=current_device(state.device_type))
         out_dir = job.out_dir
-        writer = None
-        if rank == 0:
+        self.writer: Any = None
+        if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-            writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
-        bar = ProgressBar(t.steps, start, enabled=t.progress and rank == 0, log_interval=t.log_interval)
-        params = list(model.parameters())
-        pipe = None
+            self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
+        self.bar = ProgressBar(t.steps, start, enabled=t.progress and self.rank == 0, log_interval=t.log_interval)
+        self.params = list(self.model.parameters())
+        self.pipe: Any = None
         if sizes.pp > 1:
             from megashard.train.pipeline import Pipeline
 
-            pipe = Pipeline(job, state, model)
-        microbatches = job.microbatches(sizes.pp)
-        tokens_per_step = t.global_batch * job.model.seq_len
-        result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
-        dp_cp = sizes.dp * sizes.cp
+            self.pipe = Pipeline(job, state, self.model)
+        self.microbatches = job.microbatches(sizes.pp)
+        self.tokens_per_step = t.global_batch * job.model.seq_len
+        self.result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
         if job.checkpoint.async_save:  # checkpoint.async: written in the background, one save in flight
             from megashard.checkpoint.async_save import AsyncSaver
 
-            saver = AsyncSaver()
-        model.train()
-        t_start = time.perf_counter()
-        for step in range(start, t.steps):
-            t0 = time.perf_counter()
-            if doc is not None:
-                doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
-            lr = lr_at(step, job)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # Dropout masks depend on (seed, step) only: a resumed run draws what the original drew.
-            model_parallel_manual_seed(seed + 7919 * (step + 1))
-            x, y = data.batch(step)
-            loss = pipe.step(x, y, step) if pipe is not None else _forward_backward(model, x, y, microbatches)
-            finish_expert_grads(model, state)
-            norm = clip_grad_norm(params, job.optim.grad_clip, state)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            # Every rank's loss is the mean over its tokens: the mean over dp·cp ranks is the global mean.
-            lsum = loss.detach().to(torch.float64 if loss.dtype == torch.float64 else torch.float32).clone()
-            _all_reduce(lsum, state, "dp_cp")
-            # One device-to-host copy for both numbers (each float() would wait for the device on its own).
-            if lsum.dtype == norm.dtype and lsum.device == norm.device:
-                lsum_f, norm_f = torch.stack([lsum, norm]).tolist()
-            else:
-                lsum_f, norm_f = float(lsum), float(norm)
-            gloss = lsum_f / dp_cp
-            dt = time.perf_counter() - t0
-            done = step + 1
-            result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
-            record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens_per_step,
-                      "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
-            if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-                record["valid_loss"] = result.valid_losses[done] = evaluate(model, data, t.eval_batches, state, pipe)
-                if rank == 0:
-                    bar.finish()  # a line of its own below the bar (which goes on on the next line)
-                    print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,
-                          flush=True)
-            if writer is not None:
-                writer.write(record)
-            bar.update(done, gloss, tokens_per_step * (done - start) / (time.perf_counter() - t_start))
-            if t.fail_at_step == done and rank == t.fail_rank and _restart_count() == 0:
-                bar.close()
-                print(f"\nmegashard run: rank {rank}: injected failure after step {done} (train.fail_at_step)",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
-            last = done == t.steps
-            if (job.checkpoint.interval and done % job.checkpoint.interval == 0) or (last and job.checkpoint.save_final):
-                t_save = time.perf_counter()
-                save_checkpoint(ckpt_root, done, model, optimizer, state, consumed_samples=done * t.global_batch,
-                                keep=job.checkpoint.keep, job=job.to_dict(), saver=saver, run_id=run_id)
-                result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
-        bar.close()
-        if saver is not None:  # the end of training waits for the last background save (and reports its error)
-            saver, pending = None, saver
+            self.saver = AsyncSaver()
+        self.model.train()
+        self.t_start = time.perf_counter()
+
+    def step(self, step: int) -> None:
+        """Train 0-based ``step``: lr, RNG, batch, forward and backward, clipping, AdamW, the global loss; its
+        metrics, validation (when due) and progress."""
+        from megashard.models.parallelize import finish_expert_grads
+        from megashard.state.rng import model_parallel_manual_seed
+
+        job, state, t, result, model = self.job, self.state, self.job.train, self.result, self.model
+        t0 = time.perf_counter()
+        if self.doc is not None:
+            self.doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
+        lr = lr_at(step, job)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Dropout masks depend on (seed, step) only: a resumed run draws what the original drew.
+        model_parallel_manual_seed(job.parallel.seed + 7919 * (step + 1))
+        x, y = self.data.batch(step)
+        pipe = self.pipe
+        loss = pipe.step(x, y, step) if pipe is not None else _forward_backward(model, x, y, self.microbatches)
+        finish_expert_grads(model, state)
+        norm = clip_grad_norm(self.params, job.optim.grad_clip, state)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Every rank's loss is the mean over its tokens: the mean over dp·cp ranks is the global mean.
+        lsum = loss.detach().to(torch.float64 if loss.dtype == torch.float64 else torch.float32).clone()
+        _all_reduce(lsum, state, "dp_cp")
+        # One device-to-host copy for both numbers (each float() would wait for the device on its own).
+        if lsum.dtype == norm.dtype and lsum.device == norm.device:
+            lsum_f, norm_f = torch.stack([lsum, norm]).tolist()
+        else:
+            lsum_f, norm_f = float(lsum), float(norm)
+        gloss = lsum_f / (self.sizes.dp * self.sizes.cp)
+        dt = time.perf_counter() - t0
+        done = step + 1
+        result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
+        tokens = self.tokens_per_step
+        record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens,
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, "time": time.time()}
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+            record["valid_loss"] = result.valid_losses[done] = evaluate(model, self.data, t.eval_batches, state, pipe)
+            if self.rank == 0:
+                self.bar.finish()  # a line of its own below the bar (which goes on on the next line)
+                print(f"megashard run: step {done}: validation loss {record['valid_loss']:.4f}", file=sys.stderr,
+                      flush=True)
+        if self.writer is not None:
+            self.writer.write(record)
+        self.bar.update(done, gloss, tokens * (done - result.start_step) / (time.perf_counter() - self.t_start))
+        if t.fail_at_step == done and self.rank == t.fail_rank and _restart_count() == 0:
+            self.bar.close()
+            print(f"\nmegashard run: rank {self.rank}: injected failure after step {done} (train.fail_at_step)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def save(self, done: int) -> None:
+        """The checkpoint of step ``done`` when one is due (every ``checkpoint.interval`` steps, and the last step
+        with ``checkpoint.save_final``); records how long the loop was blocked."""
+        from megashard.train.checkpointing import save_checkpoint
+
+        job = self.job
+        ck = job.checkpoint
+        if (ck.interval and done % ck.interval == 0) or (done == job.train.steps and ck.save_final):
+            t_save = time.perf_counter()
+            save_checkpoint(job.checkpoint_dir, done, self.model, self.optimizer, self.state,
+                            consumed_samples=done * job.train.global_batch, keep=ck.keep, job=job.to_dict(),
+                            saver=self.saver, run_id=self.run_id)
+            self.result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
+
+    def end(self, on_end: Optional[Callable[[torch.nn.Module, ParallelState], None]] = None) -> TrainResult:
+        """After the last step: the last background save waited for, the throughput, ``on_end``, rank 0's report,
+        and the orderly end (every rank at the final barrier)."""
+        from megashard.train.metrics import plot_loss, read_metrics
+
+        result = self.result
+        self.bar.close()
+        if self.saver is not None:  # the end of training waits for the last background save (and reports its error)
+            self.saver, pending = None, self.saver
             t_save = time.perf_counter()
             pending.close()
             result.checkpoint_end_wait_s = time.perf_counter() - t_save
-        result.seconds = time.perf_counter() - t_start
-        steps_run = result.final_step - start
-        result.tokens_per_s = tokens_per_step * steps_run / result.seconds if steps_run and result.seconds > 0 else 0.0
+        result.seconds = time.perf_counter() - self.t_start
+        steps_run = result.final_step - result.start_step
+        result.tokens_per_s = (self.tokens_per_step * steps_run / result.seconds
+                               if steps_run and result.seconds > 0 else 0.0)
         if on_end is not None:
-            on_end(model, state)
-        if writer is not None:
-            writer.close()
-            _report(job, result, read_metrics(writer.path), plot_loss)
+            on_end(self.model, self.state)
+        if self.writer is not None:
+            self.writer.close()
+            _report(self.job, result, read_metrics(self.writer.path), plot_loss)
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
         # groups down while another still runs (then the worker ends its groups: end_distributed).
-        _final_barrier(job.parallel.timeout)
-        finished = True
+        _final_barrier(self.job.parallel.timeout)
+        self.finished = True
         return result
-    finally:
-        if doc is not None:  # first: its file, and torch's functions back before the groups go
+
+    def close(self) -> None:
+        """Let go of what the run holds, in this order: the hang doctor, a background save in flight (after an
+        error), the checkpoint directory's lock, the parallel state this run made."""
+        if self.doc is not None:  # first: its file, and torch's functions back before the groups go
             import megashard.doctor
 
-            megashard.doctor.disable("exit" if finished else "failure")
-        if saver is not None:  # an error interrupted training: let the save in flight finish (or fail) first
+            megashard.doctor.disable("exit" if self.finished else "failure")
+        if self.saver is not None:  # an error interrupted training: let the save in flight finish (or fail) first
             try:
-                saver.close()
+                self.saver.close()
             except Exception as e:  # noqa: BLE001 - the error that interrupted training is the one to report
-                print(f"megashard run: rank {rank}: {e}", file=sys.stderr, flush=True)
-        if lock is not None:
-            lock.release()
-        if own_state:
+                print(f"megashard run: rank {self.rank}: {e}", file=sys.stderr, flush=True)
+        if self.lock is not None:
+            self.lock.release()
+        if self.own_state:
+            import megashard.state as ms
+
             ms.destroy()
 
 
