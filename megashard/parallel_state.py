@@ -114,11 +114,11 @@ def initialize_model_parallel(
     local_world_size - 1`` (Megatron's multi-module use) — a rank outside them creates nothing and stays
     uninitialised, as in Megatron. Bad values raise ConfigError before any group exists.
     """
-    from megashard.state.comm_env import drop_collnet
+    from megashard.state.comm_env import drop_collnet, sharp_group_of
 
     drop_collnet()  # as Megatron: no communicator but the chosen SHARP group may be made with CollNet on
     rank_offset = rank_offset or 0
-    sharp = _sharp_group(use_sharp, sharp_enabled_group, num_distributed_optimizer_instances)
+    sharp = sharp_group_of(use_sharp, sharp_enabled_group, num_distributed_optimizer_instances)
     if not dist.is_initialized():
         raise StateError("initialize_model_parallel needs torch.distributed.init_process_group() first")
     world = dist.get_world_size()
@@ -185,27 +185,6 @@ def initialize_model_parallel(
         if st is None:
             return
     st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
-
-
-def _sharp_group(use_sharp: bool, sharp_enabled_group: Optional[str], instances: int) -> Optional[str]:
-    """megashard's ``sharp_group`` for Megatron's ``use_sharp`` / ``sharp_enabled_group`` (Megatron's rules and
-    defaults: ``dp`` unless named; the group only with ``use_sharp``)."""
-    if not use_sharp:
-        if sharp_enabled_group is not None:
-            raise ConfigError(f"initialize_model_parallel: sharp_enabled_group={sharp_enabled_group!r} is only valid "
-                              "when use_sharp is True (Megatron's rule); pass use_sharp=True or leave it None")
-        return None
-    if sharp_enabled_group is None:
-        return "dp"  # Megatron: SHARP on the data-parallel (dp·cp) groups by default
-    from megashard.config.parallel import SHARP_GROUPS
-
-    if sharp_enabled_group not in SHARP_GROUPS:
-        raise ConfigError(f"initialize_model_parallel: sharp_enabled_group={sharp_enabled_group!r} is invalid "
-                          f"(Megatron: \"Invalid sharp_enabled_group\"); valid: {', '.join(SHARP_GROUPS)}")
-    if sharp_enabled_group == "dp_replica" and instances <= 1:
-        raise ConfigError("initialize_model_parallel: sharp_enabled_group='dp_replica' requires "
-                          f"num_distributed_optimizer_instances > 1 (it is {instances}); use 'dp'")
-    return sharp_enabled_group
 
 
 def _global_ranks_fn(fn: Optional[Callable[[list[int]], list[int]]], offset: int):

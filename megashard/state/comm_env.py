@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megashard.errors import ConfigError
 
 __all__ = ["COLLNET", "SHARP_NOTE", "available_backends", "check_pp_backend", "check_sharp_backend", "collnet_enabled",
-           "drop_collnet", "sharp_group", "ucc_environment"]
+           "drop_collnet", "prepare_comm_options", "sharp_group", "sharp_group_of", "ucc_environment"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +128,39 @@ def sharp_group(ranks: tuple[int, ...], timeout: timedelta, desc: str, nccl_opts
             dist.barrier(group=pg, device_ids=[torch.cuda.current_device()])
             torch.cuda.synchronize()
     return pg, new
+
+
+def prepare_comm_options(pp_backend: str | None, sharp: str | None) -> str | None:
+    """Before a state creates its groups: refuse SHARP off nccl and a ``pp_backend`` this torch lacks, set UCC's
+    environment for ``ucc``; returns the backend the pp groups get (None: the job's — also when ``pp_backend`` names
+    the job's own backend, or in a ``fake`` simulation, where every group is ``fake``)."""
+    backend = str(dist.get_backend())
+    check_sharp_backend(sharp, backend)
+    if backend == "fake" or pp_backend in (None, backend):
+        return None
+    check_pp_backend(pp_backend)
+    if pp_backend == "ucc":
+        ucc_environment()
+    return pp_backend
+
+
+def sharp_group_of(use_sharp: bool, sharp_enabled_group: str | None, instances: int) -> str | None:
+    """megashard's ``sharp_group`` for Megatron's ``use_sharp`` / ``sharp_enabled_group`` with Megatron's rules and
+    default (``dp`` unless named; a group only with ``use_sharp``; ``dp_replica`` only with several
+    distributed-optimizer instances)."""
+    from megashard.config.parallel import SHARP_GROUPS
+
+    if not use_sharp:
+        if sharp_enabled_group is not None:
+            raise ConfigError(f"initialize_model_parallel: sharp_enabled_group={sharp_enabled_group!r} is only valid "
+                              "when use_sharp is True (Megatron's rule); pass use_sharp=True or leave it None")
+        return None
+    if sharp_enabled_group is None:
+        return "dp"
+    if sharp_enabled_group not in SHARP_GROUPS:
+        raise ConfigError(f"initialize_model_parallel: sharp_enabled_group={sharp_enabled_group!r} is invalid "
+                          f"(Megatron: \"Invalid sharp_enabled_group\"); valid: {', '.join(SHARP_GROUPS)}")
+    if sharp_enabled_group == "dp_replica" and instances <= 1:
+        raise ConfigError("initialize_model_parallel: sharp_enabled_group='dp_replica' requires "
+                          f"num_distributed_optimizer_instances > 1 (it is {instances}); use 'dp'")
+    return sharp_enabled_group

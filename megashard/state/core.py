@@ -131,16 +131,10 @@ class ParallelState:
         self._views: dict[str, DeviceMesh] = {}
         self._destroyed = False
         self._sharp_spans_world = False
-        from megashard.state.comm_env import check_pp_backend, check_sharp_backend, ucc_environment
+        from megashard.state.comm_env import prepare_comm_options
 
-        # Communicator options beyond NCCL's, refused before any group exists (the backend's presence, SHARP's nccl).
-        check_sharp_backend(config.sharp_group, str(dist.get_backend()))
-        if dist.get_backend() != "fake":  # a simulation creates its pp groups on `fake` like every other
-            check_pp_backend(config.pp_backend)
-            if config.pp_backend == "ucc":
-                ucc_environment()
-        #: backend of the pp groups (None: the job's)
-        self.pp_backend = None if dist.get_backend() in ("fake", config.pp_backend) else config.pp_backend
+        #: backend of the pp groups (None: the job's); SHARP and the backend checked before any group exists
+        self.pp_backend = prepare_comm_options(config.pp_backend, config.sharp_group)
         from megashard.state.pool import register_user
 
         register_user(self)  # release_idle_groups keeps the groups of live states
