@@ -371,6 +371,17 @@ def check_hybrid(rank, world_size):
                        ("hybrid whole", kw))
         finally:
             ps.destroy_model_parallel()
+    # megashard's own API: ParallelConfig(hybrid_context_parallel=True), the groups by name
+    import megashard
+
+    st = megashard.initialize(ParallelConfig(cp=2, hybrid_context_parallel=True, timeout=60))
+    try:
+        ref = megatron_groups(world_size, cp=2, hybrid=True)
+        for name in st.layout.hybrid_names:
+            _sum_check(st.group(name), _mine(ref[name], rank), rank, ("hybrid via ParallelConfig", name))
+        assert st.pg_collection(megatron=False).hybrid_dp_cp == st.hybrid_dp_cp_groups()
+    finally:
+        megashard.destroy()
 
 
 def check_rank_offset(rank, world_size):
@@ -445,6 +456,16 @@ def check_pp_backend(rank, world_size):
     with pytest.raises(ConfigError, match=r"pp_backend='nosuch' .* available: gloo"):
         ps.initialize_model_parallel(pipeline_model_parallel_comm_backend="nosuch")
     assert not ps.model_parallel_is_initialized()
+    # megashard's own API: the same through ParallelConfig (destroy_model_parallel released the first communicator)
+    import megashard
+
+    st = megashard.initialize(ParallelConfig(pp=pp, pp_backend="megashard_test_pp", timeout=60))
+    try:
+        assert dist.get_backend(st.group("pp")) == "megashard_test_pp" and _CREATED == [pp, pp]
+        assert dist.get_backend(st.group("dp")) == "gloo"
+        _sum_check(st.group("pp"), st.ranks("pp"), rank, "pp via ParallelConfig")
+    finally:
+        megashard.destroy()
 
 
 def check_sharp_on_gloo(rank, world_size):
