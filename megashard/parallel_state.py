@@ -352,10 +352,9 @@ def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, grou
     groups = st.hybrid_dp_cp_groups()
     if group_size not in groups:
         have = ", ".join(str(k) for k in groups) or "none: initialise with hybrid_context_parallel=True for more"
+        whole = get_data_parallel_world_size(with_context_parallel=True)
         raise RankGridKeyError(f"get_hybrid_data_context_parallel_groups(group_size={group_size!r}): no such hybrid "
-                               f"dp·cp group; the whole dp·cp group has {get_data_parallel_world_size(with_context_parallel=True)} "
-                               "ranks, the hybrid sizes "
-                               f"are: {have}")
+                               f"dp·cp group; the whole dp·cp group has {whole} ranks, the hybrid sizes are: {have}")
     return groups[group_size]
 
 
