@@ -135,12 +135,16 @@ def get_expert_model_parallel_rank() -> int:
 def get_expert_tensor_parallel_world_size() -> int:
     if (o := _ov.get("expt_tp_size")) is not None:
         return o
+    if not _state.is_initialized():  # Megatron: the tp override (None without one), e.g. off a rank_offset layout
+        return _ov.get("tp_size")
     return _st().size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
     if (o := _ov.get("expt_tp_rank")) is not None:
         return o
+    if not _state.is_initialized():  # as the world size above
+        return _ov.get("tp_rank")
     return _st().rank_in("expt_tp")
 
 
@@ -215,7 +219,7 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
     if "vpp_size" in _ov:
         return _ov["vpp_size"]
-    return _st().sizes.vpp
+    return _st().sizes.vpp if _state.is_initialized() else None  # Megatron: None before initialisation
 
 
 def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:

@@ -104,29 +104,33 @@ def initialize_model_parallel(
 ) -> None:
     """Create the parallel groups as Megatron-LM 0.19 does (torch.distributed must be initialised).
 
-    Megatron-LM's keyword arguments, in its order. As in Megatron, ``expert_tensor_parallel_size=None`` means "same
-    as tensor_model_parallel_size", and ``num_distributed_optimizer_instances`` splits data parallelism into
-    replicas (megashard's ``dp_outer``; the expert layout gets the same replica axis). Options megashard does not
-    implement raise ConfigError naming them (docs/parallel_state.md lists them).
+    Megatron-LM's keyword arguments, in its order, every one of them honoured (docs/parallel_state.md). As in
+    Megatron, ``expert_tensor_parallel_size=None`` means "same as tensor_model_parallel_size", and
+    ``num_distributed_optimizer_instances`` splits data parallelism into replicas (megashard's ``dp_outer``; the
+    expert layout gets the same replica axis). ``hybrid_context_parallel``: the power-of-two slices of each dp·cp
+    group too (:func:`get_hybrid_data_context_parallel_groups`); ``pipeline_model_parallel_comm_backend``: the pp
+    groups on that backend; ``use_sharp``/``sharp_enabled_group``: NCCL SHARP on the dp·cp (or replica) groups;
+    ``rank_offset``/``local_world_size``: the layout on global ranks ``rank_offset .. rank_offset +
+    local_world_size - 1`` (Megatron's multi-module use) — a rank outside them creates nothing and stays
+    uninitialised, as in Megatron. Bad values raise ConfigError before any group exists.
     """
-    # Megatron options megashard does not implement: (value, supported?) — refused before any group exists.
-    unsupported = {
-        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend,
-                                                 pipeline_model_parallel_comm_backend in (None, "nccl")),
-        "use_sharp": (use_sharp, not use_sharp),
-        "sharp_enabled_group": (sharp_enabled_group, sharp_enabled_group is None),
-        "hybrid_context_parallel": (hybrid_context_parallel, not hybrid_context_parallel),
-        "rank_offset": (rank_offset, rank_offset == 0),
-    }
-    for name, (value, ok) in unsupported.items():
-        if not ok:
-            raise ConfigError(f"initialize_model_parallel: {name}={value!r} is not supported by megashard (only the "
-                              f"default); see docs/parallel_state.md for what is")
+    from megashard.state.comm_env import drop_collnet, sharp_group_of
+
+    drop_collnet()  # as Megatron: no communicator but the chosen SHARP group may be made with CollNet on
+    rank_offset = rank_offset or 0
+    sharp = sharp_group_of(use_sharp, sharp_enabled_group, num_distributed_optimizer_instances)
     if not dist.is_initialized():
         raise StateError("initialize_model_parallel needs torch.distributed.init_process_group() first")
-    if local_world_size is not None and local_world_size != dist.get_world_size():
-        raise ConfigError(f"initialize_model_parallel: local_world_size={local_world_size} differs from the world size "
-                          f"{dist.get_world_size()}; megashard lays out the whole default group (leave it None)")
+    world = dist.get_world_size()
+    for name, v, low in (("rank_offset", rank_offset, 0), ("local_world_size", local_world_size, 1)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ConfigError(f"initialize_model_parallel: {name}={v!r} must be an integer >= {low}")
+    n = world if local_world_size is None else local_world_size
+    if rank_offset + n > world:
+        raise ConfigError(f"initialize_model_parallel: rank_offset={rank_offset} with a layout of {n} ranks "
+                          f"(local_world_size{'' if local_world_size is not None else ', default: the world size'}) "
+                          f"means ranks {rank_offset}..{rank_offset + n - 1}, past the {world} ranks of the default "
+                          f"group; give local_world_size <= {world - rank_offset}")
     for name, fn in (("get_embedding_ranks", get_embedding_ranks),
                      ("get_position_embedding_ranks", get_position_embedding_ranks)):
         if fn is not None and not callable(fn):
@@ -158,12 +162,36 @@ def initialize_model_parallel(
                                                  if hierarchical_context_parallel_sizes else None),
             nccl_communicator_config_path=nccl_communicator_config_path,
             high_priority_stream_groups=list(high_priority_stream_groups) if high_priority_stream_groups else None,
+            hybrid_context_parallel=hybrid_context_parallel,
+            pp_backend=pipeline_model_parallel_comm_backend,
+            sharp_group=sharp,
         )
     )
-    layout = RankLayout(cfg.resolve(dist.get_world_size()), embedding_ranks=get_embedding_ranks,
-                        position_embedding_ranks=get_position_embedding_ranks)
-    st = _state.initialize(cfg, layout=layout)
+    layout = RankLayout(cfg.resolve(n), embedding_ranks=_global_ranks_fn(get_embedding_ranks, rank_offset),
+                        position_embedding_ranks=_global_ranks_fn(get_position_embedding_ranks, rank_offset))
+    if not rank_offset and n == world:
+        st = _state.initialize(cfg, layout=layout)
+    else:  # a layout on part of the world; every rank calls this, as in Megatron (there each create_group is global)
+        from datetime import timedelta
+
+        from megashard.state.pool import balance_world_group_count, pooled_group_count
+
+        before = pooled_group_count()
+        st = None
+        if rank_offset <= dist.get_rank() < rank_offset + n:  # Megatron: a rank outside it gets no group
+            st = _state.initialize(cfg, layout=layout, rank_offset=rank_offset)
+        # ranks inside and outside hold as many groups afterwards, so that later groups spanning both agree on names
+        balance_world_group_count(pooled_group_count() - before, timedelta(minutes=distributed_timeout_minutes))
+        if st is None:
+            return
     st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
+
+
+def _global_ranks_fn(fn: Optional[Callable[[list[int]], list[int]]], offset: int):
+    """Megatron's ``get_embedding_ranks`` takes and returns global ranks; the layout's are offset-free."""
+    if fn is None or not offset:
+        return fn
+    return lambda ranks: [r - offset for r in fn([r + offset for r in ranks])]
 
 
 def model_parallel_is_initialized() -> bool:
@@ -308,11 +336,26 @@ def get_hierarchical_context_parallel_groups(check_initialized: bool = True):
 
 
 def get_hybrid_data_context_parallel_groups(check_initialized: bool = True, group_size: Optional[int] = None):
-    """Megatron's hybrid dp·cp groups: only the whole dp·cp group (hybrid_context_parallel is not supported)."""
-    if group_size is None or group_size == get_data_parallel_world_size(with_context_parallel=True):
-        return _st().group("dp_cp")
-    raise ConfigError(f"get_hybrid_data_context_parallel_groups(group_size={group_size}): hybrid_context_parallel is "
-                      "not supported by megashard; only the whole dp·cp group is available")
+    """This rank's hybrid dp·cp group of ``group_size`` ranks (``hybrid_context_parallel=True``: its dp·cp group's
+    slices of 2, 4, … consecutive ranks), or its whole dp·cp group when ``group_size`` equals that group's size
+    (with or without hybrid cp, as Megatron). Another size raises a KeyError naming the sizes there are (Megatron's
+    ``_HYBRID_DP_CP_GROUPS[group_size]``)."""
+    from megashard.errors import RankGridKeyError
+
+    if not check_initialized and not _state.is_initialized():
+        return None
+    st = _st()
+    # Megatron compares with get_data_parallel_world_size(with_context_parallel=True) — which spans gtp_remat — and
+    # returns the dp·cp group
+    if group_size == get_data_parallel_world_size(with_context_parallel=True):
+        return st.group("dp_cp")
+    groups = st.hybrid_dp_cp_groups()
+    if group_size not in groups:
+        have = ", ".join(str(k) for k in groups) or "none: initialise with hybrid_context_parallel=True for more"
+        whole = get_data_parallel_world_size(with_context_parallel=True)
+        raise RankGridKeyError(f"get_hybrid_data_context_parallel_groups(group_size={group_size!r}): no such hybrid "
+                               f"dp·cp group; the whole dp·cp group has {whole} ranks, the hybrid sizes are: {have}")
+    return groups[group_size]
 
 
 def get_gtp_weight_remat_group(check_initialized: bool = True):

@@ -10,6 +10,7 @@ As a script (the note's numbers): ``python -m tests._megatron_parity [path/to/pa
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import sys
@@ -66,6 +67,9 @@ GETTERS: list[tuple[str, dict]] = [
     ("is_pipeline_first_stage", {}), ("is_pipeline_last_stage", {}),
     ("is_rank_in_embedding_group", {}), ("is_rank_in_position_embedding_group", {}),
     ("get_virtual_pipeline_model_parallel_world_size", {}), ("get_all_ranks", {}),
+    ("get_hybrid_data_context_parallel_groups", {"group_size": 2}),
+    ("get_hybrid_data_context_parallel_groups", {"group_size": 4}),
+    ("get_hybrid_data_context_parallel_groups", {"group_size": 8}),
 ]
 
 #: configs: Megatron initialize_model_parallel keyword arguments, world size, ranks to check
@@ -86,7 +90,24 @@ CONFIGS: list[tuple[dict, int, list[int]]] = [
      [0, 13, 31]),
     (dict(tensor_model_parallel_size=2, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]), 16,
      [0, 3, 14]),
+    # hybrid context parallelism: slices that are blocks of the grid, ones that are not (cp=3 cut in twos), and
+    # Megatron's short last slice (dp·cp = 10 in fours)
+    (dict(context_parallel_size=2, hybrid_context_parallel=True), 16, [0, 5, 15]),
+    (dict(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
+          hybrid_context_parallel=True), 32, [0, 7, 30]),
+    (dict(tensor_model_parallel_size=2, context_parallel_size=3, hybrid_context_parallel=True, order="cp-tp-dp-pp"),
+     12, [0, 4, 11]),
+    (dict(context_parallel_size=2, hybrid_context_parallel=True), 10, [0, 9]),
+    # rank_offset: the layout on ranks 8..23 of 32 (ranks outside it: nothing), with and without experts/hybrid
+    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, rank_offset=8, local_world_size=16), 32,
+     [0, 8, 13, 23, 31]),
+    (dict(tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+          hybrid_context_parallel=True, rank_offset=4, local_world_size=16), 24, [3, 4, 11, 19]),
 ]
+
+
+#: id(module) -> its module-level state (``_UPPER_CASE`` globals) before its first initialisation
+_INITIAL: dict[int, dict[str, Any]] = {}
 
 
 def load_megatron(path: str | None = None) -> types.ModuleType:
@@ -132,6 +153,8 @@ def _norm(value: Any) -> Any:
 
 def record(mod: Any, kw: dict) -> dict[str, Any]:
     """Every getter's normalised answer after ``mod.initialize_model_parallel(**kw)``."""
+    _initial = _INITIAL.setdefault(id(mod), {k: copy.copy(v) for k, v in vars(mod).items() if k[:1] == "_"
+                                             and k[1:2].isupper() and isinstance(v, (type(None), bool, int, dict, list))})
     mod.initialize_model_parallel(**kw, create_gloo_process_groups=False)
     out = {}
     try:
@@ -148,6 +171,11 @@ def record(mod: Any, kw: dict) -> dict[str, Any]:
                 out[key] = "raises"
     finally:
         mod.destroy_model_parallel()
+        # Megatron 0.19's destroy_model_parallel leaves some globals set (the hierarchical cp and hybrid dp-cp groups,
+        # several global-rank lists): put back what the module held before its first initialisation, so that the
+        # next config starts from nothing, as megashard's does
+        for name, value in _initial.items():
+            setattr(mod, name, copy.copy(value))
     return out
 
 

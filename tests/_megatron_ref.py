@@ -7,7 +7,7 @@ benchmarks/init_scale.py counts from it how many communicators Megatron-LM creat
 """
 from __future__ import annotations
 
-from math import prod
+from math import log2, prod
 from typing import Callable, Iterator, Optional
 
 
@@ -39,9 +39,10 @@ def masked_groups(world: int, parallel_size: list[int], mask: list[bool]) -> lis
 
 
 class RankGenerator:
-    """Megatron's ``RankGenerator`` (rank_offset 0): tokens of ``order``, missing ones appended."""
+    """Megatron's ``RankGenerator``: tokens of ``order``, missing ones appended; every rank plus ``rank_offset``."""
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, gtp_remat: int = 1):
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, gtp_remat: int = 1,
+                 rank_offset: int = 0):
         sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp, "gtp_remat": gtp_remat}
         order = order.lower()
         for name, s in sizes.items():
@@ -52,10 +53,12 @@ class RankGenerator:
         self.order = order.split("-")
         self.sizes = [sizes[t] for t in self.order]
         self.world = prod(self.sizes)
+        self.rank_offset = rank_offset
 
     def get_ranks(self, token: str) -> list[list[int]]:
         toks = token.split("-")
-        return masked_groups(self.world, self.sizes, [t in toks for t in self.order])
+        groups = masked_groups(self.world, self.sizes, [t in toks for t in self.order])
+        return [[r + self.rank_offset for r in g] for g in groups]
 
 
 def inject_gtp_remat(order: str, after: str) -> str:
@@ -79,6 +82,17 @@ def hierarchical(ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
     return levels
 
 
+def hybrid_dp_cp(ranks: list[int]) -> list[tuple[int, list[int]]]:
+    """Megatron's ``create_hybrid_dp_cp_groups`` for one dp-cp group: ``(group_size, ranks)`` per group, in its
+    order (every power of two from 2 below ``len(ranks)``, then the consecutive slices)."""
+    assert len(ranks) % 2 == 0, "Hybrid context parallel requires an even number of ranks"
+    out = []
+    for size in [2 ** i for i in range(int(log2(len(ranks))))][1:]:
+        for i in range(0, len(ranks), size):
+            out.append((size, ranks[i:i + size]))
+    return out
+
+
 def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
 
@@ -91,18 +105,21 @@ def create_group_calls(
     world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: Optional[int] = None, n_inst: int = 1,
     hcp: Optional[list[int]] = None, order: str = "tp-cp-ep-dp-pp", gloo: bool = True,
     embedding_ranks: Optional[Callable] = None, position_embedding_ranks: Optional[Callable] = None,
-    gtp: int = 1, egtp: int = 1,
+    gtp: int = 1, egtp: int = 1, hybrid: bool = False, rank_offset: int = 0, pp_backend: Optional[str] = None,
 ) -> Iterator[tuple[str, list[int], str]]:
-    """Every ``create_group`` call of Megatron-LM 0.19's ``initialize_model_parallel`` (no SHARP, no hybrid cp), in its
-    order: ``(family, ranks, backend)``; backend "gloo" for the gloo groups, else "default". ``gtp``/``egtp``:
-    ``gtp_remat_size``/``expert_gtp_remat_size`` (axes injected after tp / after ep; gloo groups off when > 1)."""
+    """Every ``create_group`` call of Megatron-LM 0.19's ``initialize_model_parallel``, in its order:
+    ``(family, ranks, backend)``; backend "gloo" for the gloo groups, ``pp_backend`` for the pp groups when given,
+    else "default". ``gtp``/``egtp``: ``gtp_remat_size``/``expert_gtp_remat_size`` (axes injected after tp / after
+    ep; gloo groups off when > 1); ``hybrid``: ``hybrid_context_parallel`` (families ``hybrid_dp_cp_<size>``);
+    ``world`` with ``rank_offset``: Megatron's ``local_world_size`` (the layout on ranks ``rank_offset ..
+    rank_offset + world - 1``). SHARP changes no group (only the environment while the dp-cp groups are made)."""
     etp = tp if etp is None else etp
     emb = embedding_ranks or default_embedding_ranks
     pos = position_embedding_ranks or default_position_embedding_ranks
     dp = world // (tp * pp * cp * gtp)
-    dense = RankGenerator(tp, 1, dp, pp, cp, inject_gtp_remat(order, "tp"), gtp_remat=gtp)
+    dense = RankGenerator(tp, 1, dp, pp, cp, inject_gtp_remat(order, "tp"), gtp_remat=gtp, rank_offset=rank_offset)
     edp = world // (etp * ep * pp * egtp)
-    expert = RankGenerator(etp, ep, edp, pp, 1, inject_gtp_remat(order, "ep"), gtp_remat=egtp)
+    expert = RankGenerator(etp, ep, edp, pp, 1, inject_gtp_remat(order, "ep"), gtp_remat=egtp, rank_offset=rank_offset)
     intra = dp * cp // n_inst
 
     for r in dense.get_ranks("gtp_remat"):
@@ -119,6 +136,10 @@ def create_group_calls(
                 yield "intra_dp_cp", sub, "default"
                 if gloo:
                     yield "intra_dp_cp", sub, "gloo"
+    if hybrid:
+        for r in dense.get_ranks("dp-cp"):
+            for size, sub in hybrid_dp_cp(r):
+                yield f"hybrid_dp_cp_{size}", sub, "default"
     for r in dense.get_ranks("dp"):
         yield "dp", r, "default"
         if gloo:
@@ -139,7 +160,7 @@ def create_group_calls(
     for r in dense.get_ranks("tp"):
         yield "tp", r, "default"
     for r in dense.get_ranks("pp"):
-        yield "pp", r, "default"
+        yield "pp", r, pp_backend or "default"
         yield "embd", list(emb(r)), "default"
         yield "pos_embd", list(pos(r)), "default"
     for r in dense.get_ranks("tp-gtp_remat-dp-cp"):
@@ -196,7 +217,7 @@ def megatron_groups(world: int, **kw) -> dict[str, list[list[int]]]:
     instance its intra partial groups are the whole dp·cp / expert dp groups)."""
     out: dict[str, list[list[int]]] = {}
     for fam, ranks, backend in create_group_calls(world, **kw):
-        if backend == "default":
+        if backend != "gloo":
             out.setdefault(fam, []).append(ranks)
     out.setdefault("intra_dp_cp", out["dp_cp"])
     out.setdefault("intra_expt_dp", out["expt_dp"])
@@ -215,7 +236,7 @@ def communicators_of_rank(world: int, rank: int, **kw) -> dict[str, int]:
     for _, ranks, backend in create_group_calls(world, **kw):
         if rank in ranks:
             out["calls"] += 1
-            out[backend] += 1
+            out[backend if backend == "gloo" else "default"] += 1
             sets.add((tuple(sorted(ranks)), backend))
     out["sets"] = len(sets)
     return out

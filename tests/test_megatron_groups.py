@@ -316,14 +316,3 @@ def test_nccl_options_objects():
     assert (o.config.cga_cluster_size, o.config.max_ctas, o.config.min_ctas) == (2, 16, 1)
     assert o.config.net_name == "IB"
     assert not nccl_options({}).is_high_priority_stream
-
-
-@pytest.mark.parametrize("kw", [dict(use_sharp=True),
-                                dict(sharp_enabled_group="dp"), dict(hybrid_context_parallel=True),
-                                dict(pipeline_model_parallel_comm_backend="ucc"), dict(rank_offset=4)])
-def test_unsupported_megatron_options_are_named(kw):
-    import megashard.parallel_state as ps
-
-    (name, value), = kw.items()
-    with pytest.raises(ConfigError, match=rf"initialize_model_parallel: {name}={value!r} is not supported by megashard"):
-        ps.initialize_model_parallel(**kw)

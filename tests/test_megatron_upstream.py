@@ -22,8 +22,6 @@ FILE = os.path.join(HERE, "megatron_upstream", "upstream_test_parallel_state.py"
 NOT_ON_CPU: dict[str, str] = {
     "test_expert_all_gather_group": "creates its groups with torch.distributed.new_group(backend='nccl'): NCCL needs "
                                     "CUDA devices",
-    "test_hybrid_dp_cp_groups": "reads torch.cuda.device_count() to pick its world (and hybrid_context_parallel is "
-                                "not supported by megashard: initialize_model_parallel refuses it by name)",
 }
 
 

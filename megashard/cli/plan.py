@@ -186,7 +186,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return cmd_suggest(args)
     check_not_suggest(args)
     from megashard.layout import GROUP_NAMES, RankLayout, locality
-    from megashard.layout.plan import MAX_LISTED_RANKS, build_plan, check_listing, format_table, plan_to_json
+    from megashard.layout.plan import (MAX_LISTED_RANKS, build_plan, check_listing, default_names, format_table,
+                                       plan_to_json)
     from megashard.layout.plan_svg import MAX_SVG_RANKS, render_svg
 
     # Options first (cheap, and each names itself), then the config.
@@ -245,7 +246,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
-    shown = names or list(GROUP_NAMES)
+    shown = names or default_names(layout)
     for n in shown:
         layout.size(n)  # an unknown name fails here, before any listing
     if as_json or args.all_groups:

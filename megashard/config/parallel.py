@@ -22,6 +22,9 @@ from megashard.config.sizes import MAX_WORLD_SIZE, ORDER_TOKENS, ResolvedSizes, 
 from megashard.errors import ConfigError, unknown_names
 
 BACKENDS = ("auto", "nccl", "gloo", "fake")
+#: Groups NCCL SHARP may be enabled on (Megatron's ``sharp_enabled_group``): the dp·cp groups, or the groups across
+#: distributed-optimizer instances.
+SHARP_GROUPS = ("dp", "dp_replica")
 DEVICES = ("auto", "cpu", "cuda")
 #: The sizes that may be ``-1`` (or ``"auto"``, the same): derived from the world size.
 FREE_SIZES = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")
@@ -110,6 +113,20 @@ class ParallelConfig:
     docs/parallel_state.md). Read and checked when the config is built."""
     high_priority_stream_groups: list[str] | None = None
     """Megatron group names whose NCCL communicators use high-priority streams (e.g. ``[dp_cp, ep_dp]``)."""
+    hybrid_context_parallel: bool = False
+    """Megatron's hybrid context parallelism: also create, for every power of two from 2 up to (not including) dp·cp,
+    the groups of that many consecutive ranks of each dp·cp group (``hybrid_dp_cp_<size>``; Megatron's
+    ``get_hybrid_data_context_parallel_groups(group_size=...)``), so that a sequence can use any such slice of the
+    dp·cp ranks as its cp group. Needs an even dp·cp."""
+    pp_backend: str | None = None
+    """Backend of the pipeline-parallel (``pp``) groups only, e.g. ``ucc`` (Megatron's
+    ``pipeline_model_parallel_comm_backend``); ``null`` = the job's backend. Must be a backend this torch build has
+    (checked when the groups are created)."""
+    sharp_group: str | None = None
+    """NCCL SHARP (in-network reductions, Megatron's ``use_sharp`` / ``sharp_enabled_group``) on one group: ``dp``
+    (the dp·cp groups) or ``dp_replica`` (the groups across distributed-optimizer instances; needs dp_outer > 1);
+    ``null`` = no SHARP. NCCL only: the group is created first with ``NCCL_COLLNET_ENABLE=1``, which is unset
+    right after."""
 
     def __post_init__(self) -> None:
         # Invalid values fail where they are written, and only here: the config is frozen, so resolve() and
@@ -229,8 +246,10 @@ class ParallelConfig:
                               f"process group and reach every collective within it, and below {MIN_TIMEOUT:g} s that fails "
                               f"at random even on one machine (measured on gloo); use at least {MIN_TIMEOUT:g} (the "
                               "default is 600)")
-        if not isinstance(self.create_gloo_process_groups, bool):
-            raise ConfigError(f"create_gloo_process_groups={self.create_gloo_process_groups!r} must be true or false")
+        for name in ("create_gloo_process_groups", "hybrid_context_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        self._check_comm_options()
         hcp = self.hierarchical_context_parallel_sizes
         if hcp is not None:
             if (not isinstance(hcp, (list, tuple)) or not hcp
@@ -249,6 +268,26 @@ class ParallelConfig:
 
         # reads and checks the NCCL communicator config (cached): errors now, not at start-up
         nccl_spec(self.nccl_communicator_config_path, self.high_priority_stream_groups)
+
+    def _check_comm_options(self) -> None:
+        """``pp_backend`` and ``sharp_group``: what can be checked without torch (the backend's presence is checked
+        where the groups are created)."""
+        pb = self.pp_backend
+        if pb is not None and (not isinstance(pb, str) or not pb or not pb.replace("_", "").isalnum()):
+            raise ConfigError(f"pp_backend={pb!r} must be the name of a torch.distributed backend (e.g. 'ucc', "
+                              "'nccl', 'gloo') or null (the job's backend)")
+        sg = self.sharp_group
+        if sg is None:
+            return
+        if sg not in SHARP_GROUPS:
+            raise ConfigError(f"sharp_group={sg!r} is not supported; valid: {', '.join(SHARP_GROUPS)} (or null: no "
+                              "SHARP), as Megatron-LM's sharp_enabled_group")
+        if self.backend in ("gloo",):
+            raise ConfigError(f"sharp_group={sg!r} needs the nccl backend (SHARP is NCCL's in-network reduction), but "
+                              f"backend={self.backend!r}; use backend 'nccl' (or 'auto' on GPUs) or sharp_group: null")
+        if sg == "dp_replica" and self.dp_outer == 1:
+            raise ConfigError("sharp_group='dp_replica' needs several distributed-optimizer instances (dp_outer > 1; "
+                              "Megatron's num_distributed_optimizer_instances > 1); use sharp_group: dp")
 
     def full_order(self) -> list[str]:
         """The order tokens with missing size-1 axes appended (Megatron's RankGenerator rule;

@@ -128,9 +128,13 @@ class ResolvedSizes:
     """Megatron's gtp_remat axis (dense grid, right after tp): world = tp·gtp_remat·cp·dp·pp."""
     expt_gtp_remat: int = 1
     """Megatron's expert gtp_remat axis (expert grid, right after ep): world = expt_tp·ep·expt_gtp_remat·expt_dp·pp."""
+    hybrid_cp: bool = False
+    """Megatron's hybrid context parallelism: the power-of-two slices of every dp·cp group are groups too."""
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if not d["hybrid_cp"]:
+            d.pop("hybrid_cp")  # absent = off: saved sizes and plans of layouts without it read as before
         for k in ("gtp_remat", "expt_gtp_remat"):
             if d[k] == 1:
                 d.pop(k)  # absent = 1: saved sizes and plans of layouts without the axis read as before
@@ -295,8 +299,20 @@ def _resolve(config: SizeRequest, world_size: int, G: int, E: int) -> ResolvedSi
                 f"whose product is {cp} (fastest level first, e.g. [{cp // 2 if cp % 2 == 0 and cp > 2 else cp}"
                 f"{', 2' if cp % 2 == 0 and cp > 2 else ''}])"
             )
+    if config.hybrid_context_parallel and (dp_resolved * cp) % 2:
+        # Megatron asserts "Hybrid context parallel requires an even number of ranks" (per dp·cp group)
+        raise ConfigError(
+            f"hybrid_context_parallel needs an even number of ranks in each dp·cp group (Megatron: \"Hybrid context "
+            f"parallel requires an even number of ranks\"), but dp·cp = {dp_resolved}·{cp} = {dp_resolved * cp}; "
+            "choose sizes with an even dp·cp or set hybrid_context_parallel: false"
+        )
+    if config.sharp_group == "dp_replica" and dpo == 1:
+        raise ConfigError("sharp_group='dp_replica' needs several distributed-optimizer instances, but dp_outer "
+                          "resolved to 1 (Megatron: \"dp_replica group requires num_distributed_optimizer_instances > "
+                          "1\"); use sharp_group: dp or a dp_outer > 1")
     return ResolvedSizes(
         world_size=W, tp=tp, cp=cp, pp=pp, dp=dp_resolved, dp_outer=dpo, dp_shard=dps,
         ep=ep, expt_tp=etp, expt_dp=edp, vpp=config.vpp, order=tuple(order),
         hierarchical_cp=tuple(hcp) if hcp is not None else None, gtp_remat=G, expt_gtp_remat=E,
+        hybrid_cp=config.hybrid_context_parallel,
     )

@@ -28,6 +28,8 @@ from megashard.layout.rank_layout import RankLayout
 MAX_LISTED_RANKS = 1 << 22
 #: Sizes shown by the plan, in this order.
 SIZE_KEYS = ("world_size", "tp", "cp", "pp", "vpp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp", "order")
+#: Shown only when set: hierarchical cp levels, the gtp_remat axes, hybrid context parallelism.
+OPTIONAL_SIZE_KEYS = ("hierarchical_cp", "gtp_remat", "expt_gtp_remat", "hybrid_cp")
 
 
 def build_plan(
@@ -46,9 +48,10 @@ def build_plan(
     :class:`~megashard.layout.GroupMembers`, equal to the list, listed by :func:`plan_to_json`), ``locality`` (``ranks_per_node``,
     ``crossing``: name → [groups crossing nodes, groups], ``warnings``) and, with ``all_groups``,
     ``groups`` (name → every group, Megatron order). ``names`` restricts the group names (default:
-    every name in GROUP_NAMES). ``report``: a :func:`locality` result to reuse (computed if None).
+    every name in GROUP_NAMES, then the configured hierarchical cp levels and hybrid dp·cp slices).
+    ``report``: a :func:`locality` result to reuse (computed if None).
     """
-    names = list(names) if names else list(GROUP_NAMES)
+    names = list(names) if names else default_names(layout)
     sizes = layout.sizes.as_dict()
     rank_groups = {}
     for n in names:
@@ -57,11 +60,11 @@ def build_plan(
             "ranks": members,
             "rank_in_group": layout.rank_in(n, rank),
             "group_index": layout.group_index(n, rank),
-            "num_groups": layout.world_size // len(members),
+            "num_groups": layout.num_groups(n),
         }
     report = report or layout.locality(ranks_per_node)
     plan: dict[str, Any] = {
-        "sizes": {k: sizes[k] for k in SIZE_KEYS},
+        "sizes": {k: sizes[k] for k in SIZE_KEYS + OPTIONAL_SIZE_KEYS if k in sizes},
         "mesh": {
             "dense": dict(zip(DENSE_MESH_AXES, layout.mesh_shape(expert=False))),
             "expert": dict(zip(EXPERT_MESH_AXES, layout.mesh_shape(expert=True))),
@@ -79,6 +82,12 @@ def build_plan(
         check_listing(layout, names, rank_groups=False)
         plan["groups"] = {n: layout.groups(n) for n in names}
     return plan
+
+
+def default_names(layout: RankLayout) -> list[str]:
+    """The group names a plan shows by default: GROUP_NAMES and the layout's configured extras (hcp levels, hybrid
+    dp·cp slices)."""
+    return list(GROUP_NAMES) + list(layout.extra_names())
 
 
 def check_listing(layout: RankLayout, names: Sequence[str], rank_groups: bool) -> None:
@@ -129,9 +138,10 @@ def format_table(plan: dict[str, Any], max_members: int = 16, source: str = "") 
     out = [f"megashard plan{': ' + source if source else ''} — {s['world_size']} ranks"]
     out.append("")
     out.append("resolved sizes")
-    for k in SIZE_KEYS:
-        v = s[k]
-        out.append(f"  {k:<11} {'none' if v is None else v}")
+    for k in SIZE_KEYS + OPTIONAL_SIZE_KEYS:
+        if k in s:
+            v = s[k]
+            out.append(f"  {k:<11} {'none' if v is None else v}")
     out.append("")
     out.append("meshes")
     for kind, axes in plan["mesh"].items():

@@ -20,6 +20,7 @@ from megashard.errors import ConfigError, did_you_mean
 from megashard.layout.grid import GroupMembers, RankGrid
 from megashard.layout.groups import (DENSE_GROUPS, DENSE_MESH_AXES, EDGE_GROUPS, EXPERT_GROUPS, EXPERT_HSDP_MESH_AXES,
                                      EXPERT_MESH_AXES, GROUP_ALIASES, GROUP_NAMES)
+from megashard.layout.hybrid import hybrid_group_sizes, hybrid_name, hybrid_slice, slice_index
 
 #: Megatron's ``get_embedding_ranks`` / ``get_position_embedding_ranks``: a pipeline group's ranks -> the ranks
 #: that hold the (position) embedding.
@@ -69,6 +70,9 @@ class RankLayout:
         }
         #: hierarchical context-parallel level names (hcp0, hcp1, …; empty when cp is not hierarchical)
         self.hcp_names: tuple[str, ...] = tuple(f"hcp{k}" for k in range(len(sizes.hierarchical_cp or ())))
+        #: hybrid dp·cp group sizes -> names (hybrid_dp_cp_2, …; empty unless hybrid context parallelism is on)
+        self.hybrid_names: dict[str, int] = ({hybrid_name(k): k for k in hybrid_group_sizes(sizes.dp * sizes.cp)}
+                                             if getattr(sizes, "hybrid_cp", False) else {})
         dense, expert = [], []
         for tok in sizes.order:
             if tok == "tp":
@@ -133,7 +137,7 @@ class RankLayout:
                 return self._expert, tuple(a for t in toks for a in m[t])
             m = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp_shard", "dp_outer"), "pp": ("pp",), "gtp_remat": ("gtp_remat",)}
             return self._dense, tuple(a for t in toks for a in m[t])
-        if name in EDGE_GROUPS or name in self.hcp_names:
+        if name in EDGE_GROUPS or name in self.hcp_names or name in self.hybrid_names:
             raise ConfigError(f"group '{name}' is not an axis combination: ask group_of/members/size/is_member for it")
         valid = self.names()
         raise ConfigError(f"unknown group '{name}'{did_you_mean(name, valid)}; valid: {', '.join(valid)} "
@@ -141,8 +145,13 @@ class RankLayout:
 
     def names(self) -> tuple[str, ...]:
         """Every group name this layout answers for: the axis groups, Megatron's aliases, the pipeline-edge groups
-        (embd, pos_embd) and the hierarchical cp levels (hcp0, … when configured)."""
-        return GROUP_NAMES + tuple(GROUP_ALIASES) + EDGE_GROUPS + self.hcp_names
+        (embd, pos_embd), the hierarchical cp levels (hcp0, … when configured) and the hybrid dp·cp slices
+        (hybrid_dp_cp_2, … with hybrid context parallelism)."""
+        return GROUP_NAMES + tuple(GROUP_ALIASES) + EDGE_GROUPS + self.hcp_names + tuple(self.hybrid_names)
+
+    def extra_names(self) -> tuple[str, ...]:
+        """The names configured beyond the axis groups: hierarchical cp levels and hybrid dp·cp slices."""
+        return self.hcp_names + tuple(self.hybrid_names)
 
     # ------------------------------------------------------------------ groups that are not axis combinations
     def _edge_group(self, name: str, pp_ranks: list[int]) -> list[int]:
@@ -177,7 +186,7 @@ class RankLayout:
         self._check_rank(rank)
         if name in EDGE_GROUPS:
             return rank in self.group_of(name, rank)
-        if name not in self.hcp_names:
+        if name not in self.hcp_names and name not in self.hybrid_names:
             self._grid_axes(name)  # validates the name
         return True
 
@@ -192,6 +201,8 @@ class RankLayout:
             return len(self.group_of(name, 0))
         if name in self.hcp_names:
             return (self.sizes.hierarchical_cp or ())[self.hcp_names.index(name)]
+        if name in self.hybrid_names:
+            return self.hybrid_names[name]
         grid, axes = self._grid_axes(name)
         n = 1
         for a in axes:
@@ -211,6 +222,9 @@ class RankLayout:
                         seen.add(g[0])
                         out.append(g)
             return out
+        if name in self.hybrid_names:  # Megatron: the slices of each dp·cp group, in dp·cp group order
+            k = self.hybrid_names[name]
+            return [g[i:i + k] for g in self.groups("dp_cp") for i in range(0, len(g), k)]
         grid, axes = self._grid_axes(name)
         return grid.groups(axes)
 
@@ -220,7 +234,7 @@ class RankLayout:
         self._check_rank(rank)
         if name in EDGE_GROUPS:
             return self._edge_group(name, self.group_of("pp", rank))
-        if name in self.hcp_names:
+        if name in self.hcp_names or name in self.hybrid_names:
             return list(self.members(name, rank))
         grid, axes = self._grid_axes(name)
         return grid.group_of(axes, rank)
@@ -233,6 +247,9 @@ class RankLayout:
         if name in self.hcp_names:
             base, dims = self._hcp_dims(name, rank)
             return GroupMembers(base, dims)
+        if name in self.hybrid_names:  # a slice of the rank's dp·cp group (hybrid_slice: list when not a block)
+            return hybrid_slice(self.members("dp_cp", rank), self.rank_in("dp_cp", rank),  # type: ignore[return-value]
+                                self.hybrid_names[name])
         masked, _ = self.group_dims(name)
         return GroupMembers(rank - sum(((rank // d) % s) * d for s, d in masked), masked)
 
@@ -245,6 +262,9 @@ class RankLayout:
     def rank_in(self, name: str, rank: int) -> int:
         """Index of ``rank`` inside its ``name`` group (ConfigError for an ``embd``/``pos_embd`` non-member)."""
         self._check_rank(rank)
+        if name in self.hybrid_names:
+            i = self.rank_in("dp_cp", rank)
+            return i - slice_index(i, self.hybrid_names[name], self.size("dp_cp"))[0]
         if name in EDGE_GROUPS or name in self.hcp_names:
             members = self.group_of(name, rank)
             if rank not in members:
@@ -260,8 +280,21 @@ class RankLayout:
             return self.group_index("pp", rank)
         if name in self.hcp_names:
             return [g[0] for g in self.groups(name)].index(self.group_of(name, rank)[0])
+        if name in self.hybrid_names:
+            k, n = self.hybrid_names[name], self.size("dp_cp")
+            return self.group_index("dp_cp", rank) * (-(-n // k)) + self.rank_in("dp_cp", rank) // k
         grid, axes = self._grid_axes(name)
         return grid.group_index(axes, rank)
+
+    def num_groups(self, name: str) -> int:
+        """How many ``name`` groups there are (a hybrid dp·cp slice size that does not divide dp·cp counts Megatron's
+        short last slices too)."""
+        if name in self.hybrid_names:
+            n = self.size("dp_cp")
+            return (self.world_size // n) * -(-n // self.hybrid_names[name])
+        if name in EDGE_GROUPS:
+            return self.world_size // self.size("pp")
+        return self.world_size // self.size(name)
 
     def rank_groups(self, rank: int, names: Iterable[str] = GROUP_NAMES) -> dict[str, list[int]]:
         """Every named group of one rank."""

@@ -43,6 +43,12 @@ from megashard.state.layout_locals import LayoutLocals
 from megashard.state.meshes import VIEW_AXES, build_view
 from megashard.state.pool import pooled_group
 
+#: megashard's group for Megatron's ``sharp_enabled_group`` (``dp``: the dp·cp groups; ``dp_replica``: the groups
+#: across distributed-optimizer instances, Megatron's inter partial expert dp group).
+SHARP_GROUP_NAMES = {"dp": "dp_cp", "dp_replica": "expt_dp_outer"}
+#: Groups on ``config.pp_backend`` when it is set (the pipeline groups of the dense and the expert grid are one).
+PP_NAMES = ("pp", "expt_pp")
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh  # imported where a mesh is built: ~0.1 s
 
@@ -124,6 +130,11 @@ class ParallelState:
         self._meshes: dict[str, DeviceMesh] = {}
         self._views: dict[str, DeviceMesh] = {}
         self._destroyed = False
+        self._sharp_spans_world = False
+        from megashard.state.comm_env import prepare_comm_options
+
+        #: backend of the pp groups (None: the job's); SHARP and the backend checked before any group exists
+        self.pp_backend = prepare_comm_options(config.pp_backend, config.sharp_group)
         from megashard.state.pool import register_user
 
         register_user(self)  # release_idle_groups keeps the groups of live states
@@ -156,11 +167,14 @@ class ParallelState:
         by_ranks: dict[tuple, dist.ProcessGroup] = {}
         # NCCL options per group name (Megatron's communicator config), applied on nccl only.
         spec = (nccl_spec(self.config.nccl_communicator_config_path, self.config.high_priority_stream_groups)
-                if "nccl" in str(dist.get_backend()) else {})
+                if "nccl" in str(dist.get_backend()) or self.pp_backend == "nccl" else {})
         rank = self.layout_rank
+        created = 0
+        if self.config.sharp_group:  # NCCL SHARP goes on the first communicator made with CollNet on: this one first
+            created += self._create_sharp_group(SHARP_GROUP_NAMES[self.config.sharp_group], by_ranks, spec)
         # Every rank first creates its groups of the names all ranks have (the same number of new communicators on
         # every rank of a layout), then the gloo twins, then the pipeline-edge groups (embedding stages only).
-        created = self._create_named([n for n in self.layout.names() if n not in EDGE_GROUPS], by_ranks, spec)
+        created += self._create_named([n for n in self.layout.names() if n not in EDGE_GROUPS], by_ranks, spec)
         if self._wants_gloo_twins():
             created += self._create_gloo_twins()
         edge = self._create_named([n for n in EDGE_GROUPS if self.layout.is_member(n, rank)], by_ranks, spec)
@@ -174,23 +188,49 @@ class ParallelState:
                       spec: Mapping[str, Any]) -> int:
         created = 0
         for name in names:
-            # (an alias such as intra_dp_cp takes the options of the group it names: one communicator)
-            opts = spec.get("hcp" if name in self.layout.hcp_names else GROUP_ALIASES.get(name, name))
-            if opts is None and self.layout.size(name) == dist.get_world_size():
+            backend = self.pp_backend if name in PP_NAMES else None  # None: the job's backend
+            opts = self._options_of(name, backend, spec)
+            if (opts is None and backend is None and self.layout.size(name) == dist.get_world_size()
+                    and not self._sharp_spans_world):
                 # The default group already spans the world (and listing W ranks would cost O(W)).
                 self._groups[name] = by_ranks[("world",)] = dist.group.WORLD
                 continue
             ranks = self._global(self.layout.group_of(name, self.layout_rank))
-            key = (ranks, options_key(opts))  # one communicator per rank set (and distinct NCCL options)
+            key = (ranks, backend, options_key(opts))  # one communicator per rank set (backend, NCCL options)
             pg = by_ranks.get(key)
             if pg is None:
                 # Only members call: no rank waits on groups it is not part of.
-                pg, new = pooled_group(ranks, self._timeout, None, f"megashard:{name}",
-                                       pg_options=nccl_options(opts) if opts else None, options_key=key[1])
+                pg, new = pooled_group(ranks, self._timeout, backend, f"megashard:{name}",
+                                       pg_options=nccl_options(opts) if opts else None, options_key=key[2])
                 created += new
                 by_ranks[key] = pg
             self._groups[name] = pg
         return created
+
+    def _options_of(self, name: str, backend: str | None, spec: Mapping[str, Any]) -> Any:
+        """The NCCL options of group ``name`` (None off nccl). An alias such as intra_dp_cp takes the options of the
+        group it names (one communicator); hierarchical cp levels take ``hcp``'s, hybrid dp·cp slices ``dp_cp``'s
+        (as Megatron)."""
+        if backend is not None and backend != "nccl":
+            return None
+        if name in self.layout.hcp_names:
+            return spec.get("hcp")
+        if name in self.layout.hybrid_names:
+            return spec.get("dp_cp")
+        return spec.get(GROUP_ALIASES.get(name, name))
+
+    def _create_sharp_group(self, name: str, by_ranks: dict[tuple, dist.ProcessGroup], spec: Mapping[str, Any]) -> int:
+        """This rank's ``name`` group with NCCL SHARP (:func:`~megashard.state.comm_env.sharp_group`); every name with
+        the same ranks and options (hsdp with dp_cp …) then shares it. Returns how many communicators it created."""
+        from megashard.state.comm_env import sharp_group
+
+        opts = self._options_of(name, None, spec)
+        ranks = self._global(self.layout.group_of(name, self.layout_rank))
+        pg, new = sharp_group(ranks, self._timeout, f"megashard:{name}:sharp", opts,
+                              note=self.config.sharp_group == "dp" and self.global_rank == 0)
+        by_ranks[(ranks, None, options_key(opts))] = pg
+        self._sharp_spans_world = len(ranks) == dist.get_world_size()  # then not the default group for these ranks
+        return int(new)
 
     def _balance_group_count(self, mine: int) -> int:
         """Pad with unused one-rank groups up to the largest number of edge groups any rank created; returns how many.
@@ -337,6 +377,11 @@ class ParallelState:
         """The hierarchical context-parallel groups of this rank, level 0 (fastest) first (Megatron's
         ``get_hierarchical_context_parallel_groups``); empty when cp is not hierarchical."""
         return [self.group(n) for n in self.layout.hcp_names]
+
+    def hybrid_dp_cp_groups(self) -> dict[int, dist.ProcessGroup]:
+        """This rank's hybrid dp·cp groups by size (Megatron's ``_HYBRID_DP_CP_GROUPS``): the power-of-two slices of its
+        dp·cp group; empty without hybrid context parallelism."""
+        return {k: self.group(n) for n, k in self.layout.hybrid_names.items()}
 
     def gloo_group(self, name: str) -> dist.ProcessGroup:
         """A gloo group with the members of ``name`` for CPU-side work (a lookup: no collective).

@@ -30,12 +30,14 @@ _DETACHED = LayoutLocals()
 
 
 def initialize(config: ParallelConfig | None = None, *, layout: RankLayout | None = None,
-               agree_on: Mapping[str, Any] | None = None, **sizes: Any) -> ParallelState:
+               agree_on: Mapping[str, Any] | None = None, rank_offset: int | None = None,
+               **sizes: Any) -> ParallelState:
     """Create the current :class:`ParallelState` (initialising torch.distributed from the environment if needed).
 
     ``initialize(ParallelConfig(tp=2))`` or ``initialize(tp=2, pp=2)``. ``layout``: the config's
     :class:`~megashard.layout.RankLayout` when already resolved (not resolved again); ``agree_on``: more fields
-    every rank must agree on (see :class:`ParallelState`).
+    every rank must agree on; ``rank_offset``: the layout covers the global ranks ``rank_offset ..
+    rank_offset + layout.world_size - 1`` only, and only they call this (see :class:`ParallelState`).
     """
     global _CURRENT
     if config is None:
@@ -48,7 +50,7 @@ def initialize(config: ParallelConfig | None = None, *, layout: RankLayout | Non
             "ParallelState and create another one directly with ParallelState(config))"
         )
     init_distributed(config)
-    state = ParallelState(config, layout, agree_on=agree_on)
+    state = ParallelState(config, layout, agree_on=agree_on, rank_offset=rank_offset)
     state.locals.take_over(_DETACHED)  # what the facade set up before initialize() belongs to this state now
     _CURRENT = state
     return state

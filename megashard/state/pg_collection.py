@@ -8,6 +8,10 @@ without hierarchical cp, ``inter_dist_opt`` with one optimizer instance, the all
 ``megatron.core.process_groups_config.ProcessGroupCollection`` (fields that version lacks are left out);
 otherwise :class:`ProcessGroupCollection`, a stand-in with the same field names.
 
+Two kinds of groups ride along as attributes that Megatron-LM 0.19's class has no field for: the gloo groups
+(:data:`GLOO_FIELDS`) and ``hybrid_dp_cp``, the hybrid dp·cp groups by size (``{2: group, 4: group}``, Megatron's
+``_HYBRID_DP_CP_GROUPS``; empty without ``hybrid_context_parallel``).
+
 It reads the groups through :class:`GroupSource` (what a ``ParallelState`` offers), so it sits below the state
 class whose ``pg_collection()`` calls it.
 """
@@ -36,8 +40,10 @@ class GroupSource(Protocol):
 
     def gloo_group(self, name: str) -> dist.ProcessGroup: ...
 
+    def hybrid_dp_cp_groups(self) -> dict[int, dist.ProcessGroup]: ...
 
-__all__ = ["GLOO_FIELDS", "GroupSource", "PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
+
+__all__ = ["EXTRA_FIELDS", "GLOO_FIELDS", "GroupSource", "PG_FIELDS", "ProcessGroupCollection", "pg_collection", "pg_collection_groups"]
 
 #: Megatron-LM 0.19's ProcessGroupCollection fields -> megashard group name (None: not set, as in Megatron's
 #: ``use_mpu_process_groups``; "hcp": the list of hierarchical cp groups).
@@ -55,6 +61,8 @@ PG_FIELDS: dict[str, str | None] = {
 #: None where the rank has none (a ``fake`` job, ``create_gloo_process_groups=False`` on nccl, gtp_remat > 1).
 GLOO_FIELDS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp", "intra_dp_cp_gloo": "intra_dp_cp",
                                "expt_dp_gloo": "expt_dp", "intra_expt_dp_gloo": "intra_expt_dp"}
+#: Other attributes without a Megatron 0.19 field: the hybrid dp·cp groups, ``{size: group}``.
+EXTRA_FIELDS = ("hybrid_dp_cp",)
 
 
 def _gloo_groups(state: GroupSource) -> dict[str, Any]:
@@ -85,7 +93,7 @@ class ProcessGroupCollection:
             setattr(self, key, value)
 
     def __getattr__(self, name: str) -> Any:
-        if name in PG_FIELDS or name in GLOO_FIELDS:
+        if name in PG_FIELDS or name in GLOO_FIELDS or name in EXTRA_FIELDS:
             return None
         raise AttributeError(f"'ProcessGroupCollection' object has no attribute '{name}'")
 
@@ -122,11 +130,13 @@ def pg_collection_groups(state: GroupSource) -> dict[str, Any]:
 def pg_collection(state: GroupSource, megatron: bool | None = None) -> Any:
     """A ``ProcessGroupCollection`` of ``state``'s groups: megatron-core's class when importable (``megatron`` None)
     or required (True), megashard's stand-in otherwise or with ``megatron=False``. The gloo groups ride along as
-    :data:`GLOO_FIELDS` attributes (``pgs.dp_gloo``, ``pgs.intra_dp_cp_gloo`` …)."""
+    :data:`GLOO_FIELDS` attributes (``pgs.dp_gloo``, ``pgs.intra_dp_cp_gloo`` …), the hybrid dp·cp groups as
+    ``pgs.hybrid_dp_cp`` (``{size: group}``)."""
     groups = pg_collection_groups(state)
     out = _collection(groups, megatron)
     for field, pg in _gloo_groups(state).items():
         object.__setattr__(out, field, pg)
+    object.__setattr__(out, "hybrid_dp_cp", state.hybrid_dp_cp_groups())
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-__all__ = ["pooled_group", "before_release_at_exit", "pooled_group_count", "register_user", "release_idle_groups", "release_process_groups"]
+__all__ = ["pooled_group", "balance_world_group_count", "before_release_at_exit", "pooled_group_count", "register_user", "release_idle_groups", "release_process_groups"]
 
 _POOL: dict[tuple, dist.ProcessGroup] = {}
 _POOL_WORLD: list = [None]  # the default group the pool belongs to
@@ -96,6 +96,22 @@ def placeholder_groups(rank: int, n: int, timeout: timedelta) -> int:
         _POOL[key] = dist.new_group([rank], timeout=timeout, backend="gloo" if dist.is_gloo_available() else None,
                                     use_local_synchronization=True, group_desc="megashard:placeholder")
     return max(n, 0)
+
+
+def balance_world_group_count(created: int, timeout: timedelta) -> int:
+    """Pad this rank with placeholder groups up to the most groups any rank of the world created (``created``: this
+    rank's count); returns how many. Collective over the default group. For initialisations where some ranks make
+    groups and others none (a layout on part of the world): torch names a members-only group by its ranks and the
+    number of groups the process holds, so every rank must hold as many before the next group spanning them."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return 0
+    import torch
+
+    # nccl reduces CUDA tensors only (the current device, as init_distributed set it); everything else the CPU's
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+    t = torch.tensor([created], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return placeholder_groups(dist.get_rank(), int(t.item()) - created, timeout)
 
 
 def pooled_group_count() -> int:

@@ -1,4 +1,5 @@
-"""Megatron-LM's ``tests/unit_tests/test_utilities.Utils`` for CPU: gloo instead of NCCL, no CUDA calls, and
+"""Megatron-LM's ``tests/unit_tests/test_utilities.Utils`` for CPU: gloo instead of NCCL, no CUDA calls (the GPU count
+read as the ranks of this run), and
 ``megashard.megatron.install()`` done first, so Megatron's own ``parallel_state`` tests run against megashard.
 
 Only what tests/megatron_upstream/upstream_test_parallel_state.py uses: ``rank``, ``world_size``,
@@ -16,6 +17,12 @@ import megashard.megatron
 if os.environ.get("MEGASHARD_UPSTREAM_INSTALL", "1") == "1":  # "0": the baseline on Megatron's own parallel_state
     megashard.megatron.install()
 import megatron.core.parallel_state as ps  # noqa: E402 - after install(), as a Megatron user would
+
+if not torch.cuda.is_available():
+    # Megatron's tests read the GPU count as "ranks on this machine" (test_hybrid_dp_cp_groups picks its world by
+    # it): on CPU every rank of this run is on this machine, so the count is the world size (both runs, with and
+    # without install(), see the same).
+    torch.cuda.device_count = lambda: int(os.environ.get("WORLD_SIZE", "1"))  # noqa: E731
 
 
 class Utils:
