@@ -92,8 +92,8 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     assert plain.returncode == 0, _explain(plain)
     assert fault.returncode == 0, _explain(fault)
     assert "rank 1: injected failure after step 4" in fault.stderr, _explain(fault)
-    assert (f"megashard run: resumed from step 2 ({tmp}/fault/checkpoints/step_00000002), data position restored\n"
-            in fault.stderr), _explain(fault)
+    assert (f"megashard run: resumed from step 2 ({tmp}/fault/checkpoints/step_00000002), data position restored; "
+            "2 steps redone (steps 3-4 of the previous start)\n" in fault.stderr), _explain(fault)
     assert "rng:" not in fault.stderr and "consumed_samples" not in fault.stderr, _explain(fault)
     # The surviving ranks' broken connections and torchrun's own logs are one line, not ~70 of tracebacks.
     assert ("megashard run: rank 1 failed (exit code 1); the other ranks lost their peers; torchrun restarts the "
@@ -106,6 +106,12 @@ def test_fault_restarts_and_matches_uninterrupted_run(launches):
     got = read_metrics(os.path.join(tmp, "fault", "metrics.jsonl"))
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # steps 3-4 of the failed attempt were dropped
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    # the restart in the same world, recorded with the work it cost (megashard.train.world)
+    change = got[2]["world_change"]
+    assert [r["step"] for r in got if "world_change" in r] == [3] and got[2]["world_size"] == 4, got[2]
+    assert (change["world_size_before"], change["resumed_from"], change["last_step_before"], change["steps_redone"],
+            change["nodes_left"], change["nodes_joined"]) == (4, 2, 4, 2, [], []), change
+    assert change["seconds_down"] > 0 and change["seconds_redone"] > 0, change
     # The hang doctor kept the failed attempt's records (the restart's go to doctor/restart_1/): the ranks that lost
     # their peers named rank 1, which left no record (os._exit).
     from megashard.doctor import attempt_dirs, read_run_dir, summarize

@@ -159,7 +159,8 @@ class _Validator:
         job.model = dataclasses.replace(self.base.model, recompute=c.recompute,
                                         distribute_saved_activations=self.base.model.distribute_saved_activations
                                         and c.recompute and c.sizes["pp"] == 1)
-        job.train = dataclasses.replace(self.base.train, microbatches=c.microbatches, pipeline_schedule=c.schedule)
+        job.train = dataclasses.replace(self.base.train, microbatches=c.microbatches,
+                                        micro_batch_size=None, pipeline_schedule=c.schedule)  # the candidate's count
         sizes = pc.resolve(self.world_size)
         return job.validate(sizes=sizes, data=False)  # data files: check_files, once per tp
 

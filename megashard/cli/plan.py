@@ -42,6 +42,10 @@ def launch_world_size(doc: dict[str, Any], path: str = "config") -> int | None:
         v = launch.get(key, default)
         if v is None:
             return None
+        if key == "nnodes" and isinstance(v, str):  # an elastic range MIN:MAX: the largest world
+            from megashard.train.sections import parse_node_range
+
+            v = parse_node_range(v)[1]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{path}: launch.{key}={v!r} must be a positive integer")
         vals[key] = v
@@ -118,6 +122,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 16 parallel.tp=2 parallel.pp=4 model.layers=4 parallel.dp_shard=-1 --rank 5\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
+            f"  megashard plan {DEFAULT_CONFIG} launch.nnodes=1:4 launch.nproc_per_node=2   # elastic: every world size\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
@@ -140,7 +145,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                            metavar="N" if kind is int else "ORDER", help=help_)
     p.add_argument(
         "--world-size", "-w", type=int, default=None, metavar="N",
-        help="number of ranks (default: launch.nnodes × launch.nproc_per_node from CONFIG)",
+        help="number of ranks (default: launch.nnodes × launch.nproc_per_node from CONFIG; for an elastic range "
+        "launch.nnodes: MIN:MAX, every world size in range)",
     )
     p.add_argument("--rank", "-r", type=int, default=0, metavar="R", help="rank whose groups are shown (default 0)")
     p.add_argument(
@@ -217,9 +223,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         config, world_size, job = load_job(args.config, args.overrides, args.world_size, doc=doc)
         if flags:
             config = dataclasses.replace(config, **flags)  # flags win; validated again by __post_init__
+            if job is not None:
+                job.parallel = config
+        if job is not None and job.launch.elastic and args.world_size is None:
+            from megashard.cli.plan_elastic import cmd_plan_range
+
+            return cmd_plan_range(args, job)  # every world size of launch.nnodes: MIN:MAX
     sizes = config.resolve(world_size)  # the one resolve of this process
     if job is not None:
-        job.check_pipeline(sizes.pp, sizes.vpp)  # what `run` refuses for any world size: the model fills the stages
+        job.check_pipeline(sizes.pp, sizes.vpp, sizes.dp)  # what `run` refuses for any world size: the model fills the stages
     layout = RankLayout(sizes)
     check_int("--rank", args.rank, 0, world_size - 1, note=f" (the world has {world_size:,} ranks)")
     as_json = args.format == "json"
@@ -242,7 +254,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if job is not None:
         from megashard.train.placement import format_placement, model_placement
 
-        placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep)
+        placement = model_placement(job, sizes.pp, sizes.vpp or 1, sizes.ep, sizes.dp)
         plan["model_placement"] = placement
         refusal = run_refusal(job, sizes, launch_world_size(job.to_dict()))
         if refusal:

@@ -13,7 +13,8 @@ def add(sub: argparse._SubParsersAction) -> None:
         sub, "run",
         help="train the example GPT job of a config through torchrun (resumes from its newest checkpoint)",
         description=(
-            "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node) in this "
+            "Validate CONFIG (all sections, for the world size launch.nnodes × launch.nproc_per_node, or every world "
+            "size of an elastic range launch.nnodes=MIN:MAX; the launch settings as torchrun reads them) in this "
             "process, then start the job with PyTorch's elastic launcher (python -m megashard.launch.agent: "
             "torch.distributed.run with one-line failure reports; it and the workers die with this launcher): "
             "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
@@ -25,6 +26,8 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard run {DEFAULT_CONFIG}\n"
             f"  megashard run {DEFAULT_CONFIG} train.steps=50 parallel.tp=1 parallel.dp_shard=4\n"
             "  megashard run configs/hsdp.yaml launch.max_restarts=2\n"
+            f"  megashard run {DEFAULT_CONFIG} launch.nnodes=1:2 launch.nproc_per_node=2 launch.rdzv_endpoint=node0:29500"
+            "   # elastic, on every node (docs/elastic.md)\n"
             f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
             "\nexit codes: 0 ok (or nothing to do: the checkpoint is at train.steps), 1 the job failed (rerun to resume), "
             "2 invalid config or usage, a checkpoint of another model, a fresh start (train.resume=false) into an "

@@ -3,8 +3,9 @@
 Sizes follow Megatron-LM's names. The dense layout is ``world = tp · cp · dp · pp`` with
 ``dp = dp_outer · dp_shard`` (HSDP: FSDP shards over dp_shard·cp, replicas over dp_outer); the expert
 layout re-partitions the same ranks as ``world = expt_tp · ep · expt_dp · pp`` ("MoE parallel folding").
-Any one size may be ``-1`` ("whatever is left"); ``dp``, ``dp_shard`` and ``expt_dp`` default to ``-1``
-and are derived.
+Any one size may be ``-1`` or ``auto`` ("whatever is left"); ``dp``, ``dp_shard`` and ``expt_dp`` default to
+``-1`` and are derived. In an elastic job (``launch.nnodes: MIN:MAX``) the free size is the one that absorbs a change
+of the world size: a data-parallel axis (``dp_shard: auto``, or ``dp_outer: auto`` for HSDP; docs/elastic.md).
 
 A config is checked once, when it is built (:meth:`ParallelConfig.validate` from ``__post_init__``), and is frozen
 afterwards, so it stays valid; :meth:`ParallelConfig.resolve` turns it and a world size into
@@ -22,6 +23,10 @@ from megashard.errors import ConfigError, unknown_names
 
 BACKENDS = ("auto", "nccl", "gloo", "fake")
 DEVICES = ("auto", "cpu", "cuda")
+#: The sizes that may be ``-1`` (or ``"auto"``, the same): derived from the world size.
+FREE_SIZES = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")
+#: The spelling of a derived size in YAML (``dp_shard: auto``), equal to ``-1``.
+AUTO = "auto"
 #: Largest process-group timeout in seconds (~31 years; larger values overflow torch's timedelta handling).
 MAX_TIMEOUT = 1e9
 
@@ -30,7 +35,7 @@ MAX_TIMEOUT = 1e9
 class ParallelConfig:
     """How the ranks of a job are split into parallel axes.
 
-    Every size is a positive integer up to MAX_WORLD_SIZE (2^24) or ``-1`` (at most one free size per layout:
+    Every size is a positive integer up to MAX_WORLD_SIZE (2^24) or ``-1`` = ``"auto"`` (at most one free size per layout:
     derived from the world size). Rank order follows Megatron-LM's ``order`` string (leftmost axis varies
     fastest). Checked once, at construction (:meth:`validate`): an invalid value raises ConfigError right away.
     Frozen: change a field with ``dataclasses.replace(config, tp=4)`` (which checks the new config).
@@ -45,17 +50,19 @@ class ParallelConfig:
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved schedule); needs ``pp > 1``. ``None`` = not interleaved."""
     dp: int = -1
-    """Data-parallel size = world / (tp·cp·pp). Derived when ``-1``; checked when given."""
+    """Data-parallel size = world / (tp·cp·pp). Derived when ``-1`` (or ``auto``); checked when given."""
     dp_outer: int = 1
-    """HSDP replica count: data-parallel replicas that each hold a full FSDP-sharded copy. Must divide dp."""
+    """HSDP replica count: data-parallel replicas that each hold a full FSDP-sharded copy. Must divide dp. ``auto``
+    (= ``-1``, with ``dp_shard`` given): world / (tp·cp·pp·dp_shard), the axis an elastic HSDP job grows and shrinks."""
     dp_shard: int = -1
-    """FSDP shard count inside one replica = dp / dp_outer. Derived when ``-1``."""
+    """FSDP shard count inside one replica = dp / dp_outer. Derived when ``-1`` (or ``auto``): the axis an elastic job
+    grows and shrinks by default."""
     ep: int = 1
     """Expert-parallel size. ``ep · expt_tp`` must divide ``tp·cp·dp`` (the ranks of one pipeline stage)."""
     expt_tp: int = 1
     """Expert tensor-parallel size. Defaults to 1, *not* to tp (an implicit tp default causes divisibility surprises)."""
     expt_dp: int = -1
-    """Expert data-parallel size = world / (expt_tp·ep·expt_gtp_remat·pp). Derived when ``-1``."""
+    """Expert data-parallel size = world / (expt_tp·ep·expt_gtp_remat·pp). Derived when ``-1`` (or ``auto``)."""
     gtp_remat: int = 1
     """Megatron's generalized tensor-parallel weight-rematerialisation size (``gtp_remat_size``): an axis of the dense
     rank grid placed right after tp; it counts toward the model size, so ``dp = world / (tp·gtp_remat·cp·pp)`` is the
@@ -97,6 +104,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         # Invalid values fail where they are written, and only here: the config is frozen, so resolve() and
         # ParallelState trust it. Lists (from YAML) are kept as tuples so that a frozen config stays hashable.
+        for name in FREE_SIZES:  # `dp_shard: auto` reads as -1: derived from the world size
+            if isinstance(getattr(self, name), str) and getattr(self, name).strip().lower() == AUTO:
+                object.__setattr__(self, name, -1)
         for name, item in _list_fields().items():
             v = getattr(self, name)
             _check_list(name, v, item)  # a string is not a list of names (tuple("dp") would be ('d', 'p'))
@@ -139,15 +149,15 @@ class ParallelConfig:
         for name in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{name}={v!r} must be an integer")
-        sizes = ("tp", "cp", "pp", "dp", "dp_outer", "dp_shard", "ep", "expt_tp", "expt_dp")
-        for name in sizes:
+                also = " (or auto: derived from the world size)" if name in FREE_SIZES else ""
+                raise ConfigError(f"{name}={v!r} must be an integer{also}")
+        for name in FREE_SIZES:
             v = getattr(self, name)
             if v == 0 or v < -1:
-                raise ConfigError(f"{name}={v} is not a valid size; use a positive integer or -1 (derive it)")
+                raise ConfigError(f"{name}={v} is not a valid size; use a positive integer or -1 / auto (derive it)")
             if v > MAX_WORLD_SIZE:
                 raise ConfigError(f"{name}={v:,} is larger than the largest world size megashard supports "
-                                  f"({MAX_WORLD_SIZE:,} ranks); use a positive integer up to it, or -1 (derive it)")
+                                  f"({MAX_WORLD_SIZE:,} ranks); use a positive integer up to it, or -1 / auto (derive it)")
         for name in ("gtp_remat", "expt_gtp_remat"):
             v = getattr(self, name)
             if not 1 <= v <= MAX_WORLD_SIZE:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any, Iterable
 
 import yaml
@@ -28,11 +29,22 @@ MAX_DEPTH = 50
 MAX_NODES = 100_000
 
 
+#: A plain scalar YAML 1.1 would read as a base-60 number (``1:2`` = 62, ``1:30.5`` = 90.5): megashard reads it as the
+#: text it is (an elastic node range ``launch.nnodes: 1:2``), never as a number nobody meant.
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?")
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a mapping key given twice (plain YAML keeps the last one silently), nesting
-    deeper than :data:`MAX_DEPTH` and documents of more than :data:`MAX_NODES` values with aliases expanded."""
+    deeper than :data:`MAX_DEPTH` and documents of more than :data:`MAX_NODES` values with aliases expanded, and reads
+    YAML 1.1's base-60 numbers (``1:2``) as strings."""
 
     _depth = 0
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        if kind is yaml.ScalarNode and implicit[0] and isinstance(value, str) and _SEXAGESIMAL.fullmatch(value):
+            return "tag:yaml.org,2002:str"
+        return super().resolve(kind, value, implicit)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         # Composition recurses once per level: stop far before Python's recursion limit.

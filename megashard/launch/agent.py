@@ -21,6 +21,13 @@ and worker environment), with three differences:
 
       megashard run: the job stopped on the error above; not restarted: a restart cannot fix it
 
+- **elastic jobs** (``--nnodes MIN:MAX``): a node leaving or joining is a membership change, not a failure: the
+  world is re-formed without using up ``--max-restarts`` (torch already counts a join so; a node whose workers all
+  only lost their peers counts a leave so too), one line each::
+
+      megashard run: a node left: the workers here lost their peers; the rendezvous re-forms the world without it (not counted against launch.max_restarts)
+      megashard run: 1 node joined the rendezvous; the workers restart in the larger world (not counted against launch.max_restarts)
+
 Exit code: 0 success, 1 the job failed, 2 it stopped on an error a restart cannot fix, 128 + N after signal N
 (a Ctrl-C or SIGINT before torchrun's own handlers are in place ends it quietly with 130).
 """
@@ -32,7 +39,7 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit"]
+__all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit", "is_elastic"]
 
 EXIT_PEER_LOST = 75
 """Exit code of a worker whose collective failed because another worker died (EX_TEMPFAIL)."""
@@ -47,6 +54,7 @@ _PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken p
 # torch's elastic log messages replaced by megashard's own lines (matched on the unformatted template).
 _FAILED = "failed (exitcode"
 _RESTART = "attempts left; will restart worker group"
+_JOINED = "new nodes from group_rank"
 _QUIET = ("closing signal", "death signal", "Got termination signal", "Setting OMP_NUM_THREADS",
           "config has no run_id")
 
@@ -70,6 +78,15 @@ def is_peer_loss(exc: BaseException) -> bool:
     return False
 
 
+def is_elastic(nnodes: Any) -> bool:
+    """Whether torchrun's ``--nnodes`` value is a range MIN:MAX with MIN < MAX."""
+    lo, _, hi = str(nnodes).partition(":")
+    try:
+        return bool(hi) and int(lo) < int(hi)
+    except ValueError:
+        return False
+
+
 def describe_exit(code: int) -> str:
     """``1`` -> "exit code 1"; ``-9`` -> "killed by SIGKILL"; :data:`EXIT_PEER_LOST` -> "lost its peers"."""
     if code == EXIT_PEER_LOST:
@@ -88,8 +105,14 @@ class _Reporter(logging.Handler):
     def __init__(self, nnodes: str, host: str) -> None:
         super().__init__(logging.INFO)
         self.single_node = str(nnodes) in ("1", "1:1")
+        self.elastic = is_elastic(nnodes)
         self.host = host
         self.failure: Optional[tuple[int, int]] = None  # (local rank, exit code) of the newest failure
+        self.membership = False  # the agent gave the coming restart back: every worker here only lost its peers
+
+    def on_membership(self) -> None:
+        """Called by the agent (megashard._compat) when a node left: the next restart re-forms the world."""
+        self.membership = True
 
     def who(self, rank: Any, local: bool = True) -> str:
         return f"rank {rank}" if self.single_node or not local else f"local rank {rank} on {self.host}"
@@ -101,8 +124,18 @@ class _Reporter(logging.Handler):
                 exitcode, local_rank = record.args[0], record.args[1]  # type: ignore[index]
                 self.failure = (int(local_rank), int(exitcode))
                 return
+            if _JOINED in template:  # torch: "[role] Detected N new nodes from group_rank=G; will restart worker group"
+                n = int(record.args[1])  # type: ignore[index]
+                _say(f"{n} node{'s' if n != 1 else ''} joined the rendezvous; the workers restart in the larger world "
+                     "(not counted against launch.max_restarts)")
+                return
             if _RESTART in template:
                 _, _, remaining, max_restarts = record.args  # type: ignore[misc]
+                if self.membership:  # megashard._compat gave the restart back: the workers here only lost their peers
+                    self.membership, self.failure = False, None
+                    _say("a node left: the workers here lost their peers; the rendezvous re-forms the world without "
+                         "it (not counted against launch.max_restarts)")
+                    return
                 n = int(max_restarts) - int(remaining) + 1
                 cause = "a worker failed"
                 if self.failure is not None:
@@ -168,8 +201,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megashard._compat import elastic_agent_gives_up_on
 
         args = parse_args(list(sys.argv[1:] if argv is None else argv))
-        _quiet_torchrun_logs(_Reporter(args.nnodes, hostname()))
-        elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}))
+        reporter = _Reporter(args.nnodes, hostname())
+        _quiet_torchrun_logs(reporter)
+        elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}), membership_code=EXIT_PEER_LOST
+                                  if reporter.elastic else None, on_membership=reporter.on_membership)
         try:
             run(args)
         except ChildFailedError as e:

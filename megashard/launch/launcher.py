@@ -3,8 +3,11 @@
     megashard run configs/default.yaml train.steps=50 parallel.tp=1
 
 1. The YAML and its overrides are parsed and checked for the world size ``launch.nnodes ×
-   launch.nproc_per_node``, and the job against this machine (output directories, CUDA/NCCL, memory:
-   :mod:`megashard.launch.preflight`) — a bad config fails here with exit code 2, before any process starts.
+   launch.nproc_per_node`` — for an elastic range ``launch.nnodes: MIN:MAX`` every world size of it, each laid out or
+   refused (:mod:`megashard.train.elastic`) —, the launch settings as torchrun reads them
+   (:mod:`megashard.train.launch_checks`; ``--dry-run`` runs the same checks), and the job against this machine
+   (output directories, CUDA/NCCL, memory: :mod:`megashard.launch.preflight`) — a bad config fails here with exit
+   code 2, before any process starts.
 2. Under Slurm (``SLURM_JOB_ID`` set, ``launch.slurm`` not false) the node count, node rank,
    rendezvous endpoint (first node of the job, port 29500) and id (the job id) come from Slurm
    variables unless given explicitly (on the command line for ``nnodes``).
@@ -19,8 +22,8 @@
 4. The resolved config is written to ``<out_dir>/config.yaml`` and PyTorch's elastic launcher runs
    ``sys.executable -m megashard.launch.agent ... -m megashard.launch.worker <out_dir>/config.yaml``
    (:mod:`megashard.launch.agent` is ``torch.distributed.run`` with short output that dies with this
-   launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several, ``--max-restarts`` from the
-   config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
+   launcher): ``--standalone`` on one node, ``--nnodes/--rdzv-*`` on several (``--nnodes MIN:MAX`` and
+   ``--rdzv-conf`` for an elastic job: docs/elastic.md), ``--max-restarts`` from the config. After a failure torchrun restarts every worker, and the job resumes from its newest checkpoint (not
    after a megashard error of a worker: a restart cannot fix it). Every process of the launch gets its run id
    (``MEGASHARD_RUN_ID``), recorded in its checkpoints.
 5. Ctrl-C reaches this launcher only (torchrun runs in a session of its own): it stops torchrun with SIGTERM (the
@@ -46,6 +49,8 @@ from megashard.train.sections import LaunchConfig, section_from_dict
 __all__ = ["LaunchPlan", "plan_launch", "torchrun_command", "slurm_overrides", "first_host", "run"]
 
 SLURM_PORT = 29500
+#: Seconds a worker that lost its peers waits for torchrun to stop it (:mod:`megashard.launch.worker`).
+PEER_LOSS_GRACE_ENV = "MEGASHARD_PEER_LOSS_GRACE_S"
 
 
 def first_host(nodelist: str) -> str:
@@ -66,17 +71,19 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{start}{suffix}"
 
 
-def slurm_overrides(env: Mapping[str, str], cli_overrides: Sequence[str] = ()) -> list[str]:
+def slurm_overrides(env: Mapping[str, str], cli_overrides: Sequence[str] = (), *, elastic: bool = False) -> list[str]:
     """``launch.*`` overrides taken from Slurm variables; explicit overrides win.
 
-    Empty outside Slurm, and when ``launch.nnodes`` is given on the command line (the user sets up the launch).
+    Empty outside Slurm, and when a node count ``launch.nnodes`` is given on the command line (the user sets up the
+    launch). ``elastic``: ``launch.nnodes`` is a range MIN:MAX (in the file or on the command line), which is kept (the
+    allocation may grow and shrink); the node rank, endpoint and id still come from Slurm.
     """
     given = {o.split("=", 1)[0].strip() for o in cli_overrides}
-    if "SLURM_JOB_ID" not in env or "launch.nnodes" in given:  # an explicit node count takes over the launch
+    if "SLURM_JOB_ID" not in env or ("launch.nnodes" in given and not elastic):  # an explicit count takes over
         return []
     out = []
     nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
-    if nnodes:
+    if nnodes and not elastic:
         out.append(f"launch.nnodes={int(nnodes)}")
     if "SLURM_NODEID" in env and "launch.node_rank" not in given:
         out.append(f"launch.node_rank={int(env['SLURM_NODEID'])}")
@@ -94,11 +101,15 @@ class LaunchPlan:
 
     job: JobConfig
     sizes: ResolvedSizes
-    """The job's parallel sizes for its world size (from the one :meth:`JobConfig.validate` of the launcher)."""
+    """The job's parallel sizes for its world size (from the one :meth:`JobConfig.validate` of the launcher); for an
+    elastic range those of the largest world that runs."""
     config_path: str
     command: list[str]
     env: dict[str, str]
     notes: list[str]
+    options: list = dataclasses.field(default_factory=list)
+    """Elastic (``launch.nnodes: MIN:MAX``): every node count with its layout or refusal
+    (:class:`megashard.train.elastic.WorldOption`); empty otherwise."""
 
 
 def _rdzv_id(job: JobConfig) -> str:
@@ -111,16 +122,21 @@ def torchrun_command(job: JobConfig, config_path: str) -> list[str]:
     ``megashard.launch.agent`` takes torchrun's arguments; ``torch.distributed.run`` in its place works too
     (with torch's longer failure output and no lifeline for torchrun itself).
     """
+    from megashard.train.launch_checks import rdzv_conf
+
     la = job.launch
+    lo, hi = la.node_range
     cmd = [sys.executable, "-m", "megashard.launch.agent"]
-    if la.nnodes == 1 and not la.rdzv_endpoint:
+    if hi == 1 and not la.rdzv_endpoint:
         cmd.append("--standalone")  # a private c10d store on a free port
     else:
-        cmd += ["--nnodes", str(la.nnodes), "--rdzv-backend", la.rdzv_backend,
+        cmd += ["--nnodes", f"{lo}:{hi}" if lo < hi else str(hi), "--rdzv-backend", la.rdzv_backend,
                 "--rdzv-endpoint", la.rdzv_endpoint or f"localhost:{SLURM_PORT}",  # plan_launch requires it
                 "--rdzv-id", _rdzv_id(job)]
         if la.node_rank is not None and la.rdzv_backend == "static":
             cmd += ["--node-rank", str(la.node_rank)]
+        if lo < hi and la.rdzv_backend != "static":  # elastic: how long to wait for nodes, when one counts as gone
+            cmd += ["--rdzv-conf", rdzv_conf(la)]
     cmd += ["--nproc-per-node", str(la.nproc_per_node), "--max-restarts", str(la.max_restarts),
             "--monitor-interval", str(la.monitor_interval),
             "-m", "megashard.launch.worker", config_path, "--name", job.name]
@@ -151,15 +167,23 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
     if job.launch.slurm and "SLURM_JOB_ID" not in env:
         raise ConfigError("launch.slurm=true but SLURM_JOB_ID is not set: run inside a Slurm allocation (srun), "
                           "or use launch.slurm=null (use Slurm when present)")
-    extra = slurm_overrides(env, overrides) if use_slurm else []
+    from megashard.train.sections import parse_node_range
+
+    lo, hi = parse_node_range(job.launch.nnodes)  # a malformed range fails here, before Slurm's values are added
+    extra = slurm_overrides(env, overrides, elastic=lo < hi) if use_slurm else []
     if extra:  # onto the parsed job (only launch.* keys the command line does not set): the file is read once
         job.launch = _with_overrides(job.launch, extra)
         notes.append("Slurm: " + " ".join(extra))
-        if job.launch.nnodes > 1 and "SLURM_STEP_ID" not in env:
+        if job.launch.multi_node and "SLURM_STEP_ID" not in env:
             notes.append("warning: several Slurm nodes but no job step: start one launcher per node with "
                          "`srun --ntasks-per-node=1 megashard run ...`")
-    sizes = job.validate()
-    if job.launch.nnodes > 1 and not job.launch.rdzv_endpoint:
+    sizes = job.validate()  # every world size of an elastic range (megashard.train.elastic.validate_range)
+    options = []
+    if job.launch.elastic:
+        from megashard.train.elastic import world_options
+
+        options = world_options(job)
+    if job.launch.multi_node and not job.launch.rdzv_endpoint:
         raise ConfigError(
             f"launch.nnodes={job.launch.nnodes} needs launch.rdzv_endpoint=<host:port> of a node every node can reach "
             "(e.g. node 0, port 29500), the same on every node; under Slurm it is taken from SLURM_JOB_NODELIST"
@@ -178,7 +202,33 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
-    return LaunchPlan(job, sizes, path, torchrun_command(job, path), child_env, notes)
+    if job.launch.elastic and PEER_LOSS_GRACE_ENV not in env:
+        # A worker that lost its peers waits for torchrun to stop it, so that a failure of its own node is reported
+        # first. In an elastic job the lost peer is usually a node that left: leave soon (the agent re-forms the
+        # world, megashard.launch.agent), well after this node's own failures are seen (monitor_interval).
+        child_env[PEER_LOSS_GRACE_ENV] = f"{max(2.0, 4 * job.launch.monitor_interval):g}"
+    return LaunchPlan(job, sizes, path, torchrun_command(job, path), child_env, notes, options)
+
+
+def _header(plan: LaunchPlan) -> str:
+    """What the launch starts: processes, layout, steps, output; for an elastic job every node count of the range."""
+    from megashard.train.elastic import absorbing_axis, layout_text
+
+    job, s, la = plan.job, plan.sizes, plan.job.launch
+    head = f"megashard run: {job.name}: "
+    if not plan.options:
+        return (f"{head}{job.world_size} processes ({la.node_range[1]} node(s) × {la.nproc_per_node}), "
+                f"{layout_text(job, s)}, {job.train.steps} steps → {job.out_dir}")
+    lo, hi = la.node_range
+    lines = [f"{head}elastic, {lo * la.nproc_per_node} to {hi * la.nproc_per_node} processes (launch.nnodes={lo}:{hi} "
+             f"× {la.nproc_per_node}), parallel.{absorbing_axis(job)} absorbs the world size, {job.train.steps} steps "
+             f"→ {job.out_dir}"]
+    for o in plan.options:
+        where = f"  {o.nodes} node{'s' if o.nodes > 1 else ' '}, world {o.world_size}: "
+        lines.append(where + (layout_text(job, o.sizes, per_rank=True) if o.sizes is not None else
+                              f"refused ({o.refusal}); the job {la.unfillable_world}s there "
+                              f"(launch.unfillable_world={la.unfillable_world})"))
+    return "\n".join(lines)
 
 
 def _write_config(job: JobConfig, path: str) -> None:
@@ -196,7 +246,7 @@ def lock_id(job: JobConfig) -> str:
     """The job id in the checkpoint lock: this launcher on one node, the rendezvous id on several."""
     from megashard.launch.lifeline import hostname
 
-    return f"{hostname()}:{os.getpid()}" if job.launch.nnodes == 1 else f"rdzv:{_rdzv_id(job)}"
+    return f"rdzv:{_rdzv_id(job)}" if job.launch.multi_node else f"{hostname()}:{os.getpid()}"
 
 
 def _hold_checkpoint_dir(job: JobConfig):
@@ -204,8 +254,8 @@ def _hold_checkpoint_dir(job: JobConfig):
     live job holds it), on several leave it to the job's rank 0 (None)."""
     from megashard.train.ckptlock import CheckpointLock
 
-    if job.launch.nnodes > 1:
-        return None  # checked in run(); a launcher per node cannot hold one lock
+    if job.launch.multi_node:
+        return None  # checked in run(); a launcher per node cannot hold one lock (an elastic job's rank 0 moves)
     lock = CheckpointLock.acquire(job.checkpoint_dir, job=job.name, job_id=lock_id(job), owner="launcher")
     if lock.note:
         print(f"megashard run: note: {lock.note}", file=sys.stderr)
@@ -284,13 +334,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
 
         if ensure_corpus(job.data):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
             check_corpus(job.data, job.model, job.parallel.seed, s.tp)  # validate() let the corpus be missing: check the one just prepared
-    keys = ("tp", "cp", "pp", "dp_outer", "dp_shard") + (("ep", "expt_dp") if s.ep > 1 else ())
-    layout = ", ".join(f"{k}={getattr(s, k)}" for k in keys if getattr(s, k) > 1 or k == "dp_shard")
-    if s.pp > 1:
-        vpp = f", vpp={s.vpp}" if (s.vpp or 1) > 1 else ""
-        layout += f"{vpp} ({job.train.pipeline_schedule}, {job.microbatches(s.pp)} microbatches)"
-    print(f"megashard run: {job.name}: {job.world_size} processes ({job.launch.nnodes} node(s) × "
-          f"{job.launch.nproc_per_node}), {layout}, {job.train.steps} steps → {job.out_dir}", file=sys.stderr)
+    print(_header(plan), file=sys.stderr)
     for note in plan.notes + ([start.finished] if start.finished else []):
         print(f"megashard run: {note}", file=sys.stderr)
     if dry_run:

@@ -10,6 +10,12 @@ nothing: it waits to be stopped by torchrun, which reports the failure in one li
 with :data:`~megashard.launch.agent.EXIT_PEER_LOST`. A megashard error (a config or checkpoint problem) is printed
 once and ends the worker with :data:`~megashard.launch.agent.EXIT_NO_RESTART`: torchrun does not restart the job for
 it. Under ``megashard run`` a SIGINT (Ctrl-C, forwarded by torchrun) ends the worker at once, without output.
+
+In an elastic job (``launch.nnodes: MIN:MAX``) the rendezvous may form a world the job cannot fill (the fixed axes
+or the global batch do not divide it: :mod:`megashard.train.elastic`). Then rank 0 says so in one line and, as
+``launch.unfillable_world`` says, every worker ends with :data:`~megashard.launch.agent.EXIT_NO_RESTART` (``stop``) or
+waits (``wait``: a barrier every few seconds, so that a node leaving is noticed; a node joining makes torchrun
+restart the workers in the larger world). Nothing is read or written meanwhile.
 """
 from __future__ import annotations
 
@@ -17,8 +23,19 @@ import sys
 import time
 from typing import Optional, Sequence
 
-#: Seconds a worker that lost its peers waits for torchrun to stop it (it usually does within its monitor interval).
+#: Seconds a worker that lost its peers waits for torchrun to stop it (it usually does within its monitor interval);
+#: ``MEGASHARD_PEER_LOSS_GRACE_S`` (set by ``megashard run`` for an elastic job, where the peer is usually a node that
+#: left) overrides it.
 PEER_LOSS_GRACE_S = 15.0
+
+
+def _peer_loss_grace() -> float:
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("MEGASHARD_PEER_LOSS_GRACE_S", PEER_LOSS_GRACE_S)))
+    except ValueError:
+        return PEER_LOSS_GRACE_S
 
 
 def _prints(e: BaseException, mismatch: type) -> bool:
@@ -32,6 +49,38 @@ def _prints(e: BaseException, mismatch: type) -> bool:
         return os.environ.get("LOCAL_RANK", "0") == "0"
     shared = re.match(r"\(raised on rank (\d+)\) ", str(e))
     return shared is None or shared.group(1) == os.environ.get("RANK", "0")
+
+
+#: Seconds between the barriers of workers that wait in an unfillable world (a node leaving is seen within this).
+UNFILLABLE_POLL_S = 2.0
+
+
+def _unfillable(job) -> bool:  # noqa: ANN001 - a JobConfig (imported late: the lifeline comes first)
+    """Whether this elastic round's world cannot run ``job``: rank 0 prints the line; with ``wait`` never returns
+    (a barrier every :data:`UNFILLABLE_POLL_S` seconds until torchrun restarts the workers or a peer is gone)."""
+    import os
+    from datetime import timedelta
+
+    from megashard.errors import ConfigError
+    from megashard.train.elastic import unfillable_line
+
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if world < 1:
+        return False
+    try:
+        job.validate(world, data=False)
+        return False
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megashard run: {unfillable_line(job, world, str(e))}", file=sys.stderr, flush=True)
+    if job.launch.unfillable_world == "stop":
+        return True
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job.parallel.timeout))  # ranks may start slowly
+    while True:  # a peer that left breaks the barrier: peer loss, the agent re-forms the world without its node
+        time.sleep(UNFILLABLE_POLL_S)
+        dist.barrier()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -65,13 +114,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job = JobConfig.from_yaml(args[0], args[1:])
         if name:
             job.name = name
+        if job.launch.elastic and _unfillable(job):
+            return EXIT_NO_RESTART  # launch.unfillable_world=stop (with wait, _unfillable only returns by an error)
         train(job)
     except KeyboardInterrupt:  # torchrun forwards Ctrl-C; it reports the interruption itself
         return 130
     except Exception as e:
         if is_peer_loss(e):
             sys.stderr.flush()
-            time.sleep(PEER_LOSS_GRACE_S)  # torchrun stops us (SIGTERM) once it sees the failed worker
+            time.sleep(_peer_loss_grace())  # torchrun stops us (SIGTERM) once it sees the failed worker
             os._exit(EXIT_PEER_LOST)  # no teardown: the process group is broken
         if not isinstance(e, MegashardError):
             raise

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
     from megashard.state import ParallelState
     from megashard.train.config import JobConfig
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model", "resume_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model", "resume_checkpoint",
+           "SaveSchedule"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -161,9 +163,11 @@ def _why(e: BaseException) -> str:
 
 
 def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-                      state: ParallelState) -> tuple[Optional[str], int, str]:
+                      state: ParallelState, run_id: Optional[str] = None) -> tuple[Optional[str], int, str]:
     """Load the checkpoint the job starts from (all ranks call); returns ``(path, step, run id)``, ``(None, 0, run
-    id)`` from scratch. The run id is what this run's checkpoints record (:mod:`megashard.train.startpoint`).
+    id)`` from scratch. The run id is what this run's checkpoints record (:mod:`megashard.train.startpoint`);
+    ``run_id`` (rank 0): the id of this job's previous start, which a start from scratch goes on with (the launcher
+    of the node that has rank 0 now may have given another, :mod:`megashard.train.world`).
 
     * ``checkpoint.load_step`` / ``checkpoint.load_path`` set: exactly that checkpoint. If it is damaged,
       :class:`~megashard.errors.CheckpointCorruptedError` says so — no fallback, the user asked for it.
@@ -181,7 +185,7 @@ def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.O
     root = job.checkpoint_dir
     requested = job.requested_checkpoint()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    box = [plan_resume(job, requested) if rank0 else None]  # rank 0 decides, every rank follows
+    box = [plan_resume(job, requested, run_id) if rank0 else None]  # rank 0 decides, every rank follows
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     plan = box[0]
@@ -217,3 +221,42 @@ def resume_checkpoint(job: JobConfig, model: nn.Module, optimizer: torch.optim.O
             f"no checkpoint in {root} verifies ({', '.join(os.path.basename(p) for p in skipped)} are damaged, see "
             "above): restore the damaged files, or start over with train.resume=false or another checkpoint.dir")
     return None, 0, plan.run_id
+
+
+class SaveSchedule:
+    """When the job saves: every ``checkpoint.interval`` steps, or every so many seconds (``"300s"``), and after the
+    last step with ``checkpoint.save_final``.
+
+    A time interval is decided by every rank together: per step one all-reduce (MAX) of each rank's seconds since the
+    last save over the default group, so every rank sees the same number and saves after the same step (rank clocks,
+    and when a rank started, may differ; a save is a collective). The clock starts at the run's start: after a
+    restart the next save comes one interval later.
+    """
+
+    def __init__(self, job: JobConfig, state: ParallelState) -> None:
+        self.job = job
+        self.steps = job.checkpoint.interval_steps
+        self.seconds = job.checkpoint.interval_seconds
+        self.device = state.device_type
+        self.last = time.monotonic()
+
+    def due(self, done: int) -> bool:
+        """Whether step ``done`` saves (every rank calls it after every step: with a time interval it is a
+        collective)."""
+        job = self.job
+        if done == job.train.steps and job.checkpoint.save_final:
+            return True
+        if self.steps:
+            return done % self.steps == 0
+        if self.seconds is None:
+            return False
+        from megashard.state.devices import current_device
+
+        elapsed = torch.tensor([time.monotonic() - self.last], dtype=torch.float64, device=current_device(self.device))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed.item()) >= self.seconds
+
+    def saved(self) -> None:
+        """A checkpoint was just written (or staged): the next one is due an interval from now."""
+        self.last = time.monotonic()

@@ -42,15 +42,6 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _check_endpoint(endpoint: str) -> None:
-    """``host`` or ``host:port`` (port 1..65535; IPv6 hosts in brackets), as torchrun's --rdzv-endpoint reads it."""
-    host, sep, port = endpoint.strip().rpartition(":") if not endpoint.strip().endswith("]") else ("", "", "")
-    if not sep:
-        host, port = endpoint.strip(), None
-    ok = bool(host) and (port is None or (port.isdigit() and 1 <= int(port) <= 65535))
-    _need(ok, f"launch.rdzv_endpoint={endpoint!r} must be host or host:port with a port in 1..65535 (e.g. node0:29500)")
-
-
 @dataclass
 class JobConfig:
     """Every section of a job YAML. Build with :meth:`from_yaml` / :meth:`from_dict`, check with :meth:`validate`."""
@@ -104,7 +95,8 @@ class JobConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def world_size(self) -> int:
-        return self.launch.nnodes * self.launch.nproc_per_node
+        """launch.nnodes × launch.nproc_per_node; for an elastic range (``nnodes: MIN:MAX``) the largest world."""
+        return self.launch.node_range[1] * self.launch.nproc_per_node
 
     @property
     def out_dir(self) -> str:
@@ -124,9 +116,16 @@ class JobConfig:
 
         return default_ffn_hidden(self.model)
 
-    def microbatches(self, pp: int) -> int:
-        """Microbatches per step and data-parallel rank: ``train.microbatches``, or pp when it is null."""
-        return self.train.microbatches if self.train.microbatches is not None else pp
+    def microbatches(self, pp: int, dp: Optional[int] = None) -> int:
+        """Microbatches per step and data-parallel rank: ``train.microbatches``; with ``train.micro_batch_size``
+        global_batch / (dp × micro_batch_size) (``dp`` required then; rounded down: :meth:`validate` checks it
+        divides); pp when both are null."""
+        t = self.train
+        if t.micro_batch_size is not None:
+            if dp is None:
+                raise TypeError("JobConfig.microbatches(pp, dp): train.micro_batch_size needs the data-parallel size")
+            return max(1, t.global_batch // (dp * t.micro_batch_size))
+        return t.microbatches if t.microbatches is not None else pp
 
     def moe_layers(self) -> list[int]:
         """0-based indices of the blocks with an MoE MLP."""
@@ -146,6 +145,10 @@ class JobConfig:
         layout: the layout advisor checks them once, not per layout, and stays free of torch).
         """
         self._validate_sections()
+        if sizes is None and world_size is None and self.launch.elastic:
+            from megashard.train.elastic import validate_range
+
+            return validate_range(self, data=data)  # every world size of launch.nnodes: MIN:MAX
         if sizes is not None:
             w = sizes.world_size
         else:
@@ -178,7 +181,7 @@ class JobConfig:
                   f"model.ffn_hidden={self.ffn_hidden} (per expert) must divide by parallel.expt_tp={s.expt_tp} (each "
                   f"expert tensor-parallel rank holds ffn/expt_tp of every local expert); valid expt_tp: "
                   f"{fmt_divisors(self.ffn_hidden)}")
-            mb = self.microbatches(s.pp)
+            mb = self.microbatches(s.pp, s.dp)
             if t.global_batch % (s.dp * mb) == 0 and m.seq_len % s.cp == 0:
                 tokens = t.global_batch // (s.dp * mb) * (m.seq_len // s.cp)
                 _need(tokens % s.tp == 0,
@@ -214,26 +217,32 @@ class JobConfig:
         """``"; or run 8 processes: launch.nproc_per_node=8"``: the smallest process count per node, above the
         configured one, for which the parallel section resolves (the launcher's world size is nnodes × that)."""
         la = self.launch
+        nnodes = la.node_range[1]
         for n in range(la.nproc_per_node + 1, 4 * max(la.nproc_per_node, 256) + 1):
             try:
-                self.parallel.resolve(la.nnodes * n)
+                self.parallel.resolve(nnodes * n)
             except ConfigError:
                 continue
-            nodes = f" (× launch.nnodes={la.nnodes} = {la.nnodes * n})" if la.nnodes > 1 else ""
+            nodes = f" (× launch.nnodes={nnodes} = {nnodes * n})" if nnodes > 1 else ""
             return f"; or run {n} processes per node: launch.nproc_per_node={n}{nodes}"
         return ""
 
     def _validate_pipeline(self, s: ResolvedSizes) -> None:
         """train.pipeline_schedule / train.microbatches against pp, vpp, dp and the model's blocks."""
         t = self.train
-        mb = self.microbatches(s.pp)
+        if t.micro_batch_size is not None:
+            _need(t.global_batch % (s.dp * t.micro_batch_size) == 0,
+                  f"train.global_batch={t.global_batch} must divide by dp × train.micro_batch_size = {s.dp} × "
+                  f"{t.micro_batch_size} = {s.dp * t.micro_batch_size} (the microbatches per step are their quotient); "
+                  f"valid micro_batch_size at dp={s.dp}: {fmt_divisors(t.global_batch // s.dp) if t.global_batch % s.dp == 0 else 'none'}")
+        mb = self.microbatches(s.pp, s.dp)
         _need(t.global_batch % (s.dp * mb) == 0,
               f"train.global_batch={t.global_batch} must divide by train.microbatches × dp = {mb} × {s.dp} = "
               f"{mb * s.dp} (global batch = microbatches × micro-batch size × dp); valid microbatches: "
               f"{fmt_divisors(t.global_batch // s.dp)}")
-        self.check_pipeline(s.pp, s.vpp)
+        self.check_pipeline(s.pp, s.vpp, s.dp)
 
-    def check_pipeline(self, pp: int, vpp: Optional[int]) -> None:
+    def check_pipeline(self, pp: int, vpp: Optional[int], dp: int = 1) -> None:
         """The rules of the pipeline that need no world size (``megashard plan`` applies them too): the schedule
         against pp and vpp, microbatches >= pp for the schedules that keep one in flight per rank, and a block per
         stage. ConfigError naming the keys, values and the way out."""
@@ -241,7 +250,7 @@ class JobConfig:
         if pp == 1:
             return
         v = vpp or 1
-        mb = self.microbatches(pp)
+        mb = self.microbatches(pp, dp)
         sched = t.pipeline_schedule
         if sched in ("1f1b", "gpipe"):
             _need(v == 1, f"parallel.vpp={v} runs several stages per rank, but train.pipeline_schedule={sched!r} "
@@ -325,11 +334,10 @@ class JobConfig:
                          ("model.layers", m.layers), ("model.heads", m.heads), ("model.moe_every", m.moe_every),
                          ("model.moe_top_k", m.moe_top_k), ("train.steps", t.steps), ("train.global_batch", t.global_batch),
                          ("train.log_interval", t.log_interval), ("data.num_sequences", d.num_sequences),
-                         ("data.branching", d.branching), ("launch.nnodes", la.nnodes),
-                         ("launch.nproc_per_node", la.nproc_per_node)):
+                         ("data.branching", d.branching), ("launch.nproc_per_node", la.nproc_per_node)):
             _need(v >= 1, f"{where}={v} must be a positive integer")
         for where, v in (("model.num_experts", m.num_experts), ("optim.warmup_steps", o.warmup_steps),
-                         ("checkpoint.interval", c.interval), ("checkpoint.keep", c.keep),
+                         ("checkpoint.keep", c.keep),
                          ("launch.max_restarts", la.max_restarts)):
             _need(v >= 0, f"{where}={v} must be >= 0")
         if c.load_step is not None:
@@ -360,6 +368,10 @@ class JobConfig:
               f"valid: {', '.join(COMPILE_BACKENDS)}")
         if t.microbatches is not None:
             _need(t.microbatches >= 1, f"train.microbatches={t.microbatches} must be a positive integer or null (= pp)")
+        if t.micro_batch_size is not None:
+            _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be a positive integer or null")
+            _need(t.microbatches is None, f"train.microbatches={t.microbatches} and train.micro_batch_size="
+                  f"{t.micro_batch_size} are exclusive: give the microbatch count or the sequences per microbatch")
         if t.fail_at_step is not None:
             _need(1 <= t.fail_at_step, f"train.fail_at_step={t.fail_at_step} must be >= 1 or null")
         _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
@@ -396,9 +408,7 @@ class JobConfig:
         if d.source == "text":
             _need(m.vocab_size >= 256, f"data.source=text is byte-level: model.vocab_size={m.vocab_size} must be >= 256")
         _need(d.branching <= m.vocab_size, f"data.branching={d.branching} must be <= model.vocab_size={m.vocab_size}")
-        _need(la.monitor_interval > 0, f"launch.monitor_interval={la.monitor_interval} must be > 0")
-        if la.node_rank is not None:
-            _need(0 <= la.node_rank < la.nnodes, f"launch.node_rank={la.node_rank} must be in 0..nnodes-1={la.nnodes - 1}")
-        _need(bool(la.rdzv_backend), "launch.rdzv_backend must not be empty (c10d, etcd-v2 or static)")
-        if la.rdzv_endpoint is not None:
-            _check_endpoint(la.rdzv_endpoint)
+        c.interval_steps  # noqa: B018 - parses checkpoint.interval (steps, or a time such as "300s")
+        from megashard.train.launch_checks import check_launch
+
+        check_launch(la)  # as torchrun reads it: node range, backend, endpoint, static rendezvous, elastic settings

@@ -5,9 +5,14 @@
 Per step: lr from the schedule, RNG re-seeded from (seed, step), this rank's batch, forward and
 backward through the TP layers and FSDP2, gradient clipping with the norm reduced over the right
 groups (:func:`clip_grad_norm`), AdamW, the global loss averaged over the data-parallel ranks,
-metrics/progress on rank 0, a checkpoint every ``checkpoint.interval`` steps. A run resumes from the
-newest complete checkpoint of its checkpoint directory that verifies (or the one ``checkpoint.load_step`` /
-``checkpoint.load_path`` names).
+metrics/progress on rank 0, a checkpoint every ``checkpoint.interval`` steps (or seconds, decided by every rank
+together). A run resumes from the newest complete checkpoint of its checkpoint directory that verifies (or the one
+``checkpoint.load_step`` / ``checkpoint.load_path`` names), in whatever world it was started in: an elastic job
+re-derives its layout for each world (:mod:`megashard.train.elastic`), and each start says what changed since the
+previous start of the same job (:mod:`megashard.train.world`).
+
+``MEGASHARD_PAUSE_FILE`` (tests and benchmarks of elastic runs only): while this file exists, every rank waits before
+its next step — a test holds a world at a step of its choosing while nodes leave and join.
 """
 from __future__ import annotations
 
@@ -205,13 +210,28 @@ class TrainRun:
         from megashard.train.data import Batches
         from megashard.train.metrics import MetricsWriter
 
-        job, state, sizes, t = self.job, self.state, self.sizes, self.job.train
-        # run_id: what this run's checkpoints record (and prune)
-        found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state)
-        if found is not None and self.rank == 0:
-            from megashard.train.startpoint import read_record, resumed_line
+        from megashard.train.world import World
 
-            print(resumed_line(job, found, start, read_record(found), sizes), file=sys.stderr, flush=True)
+        job, state, sizes, t = self.job, self.state, self.sizes, self.job.train
+        self.world = World.gather(state, sizes)  # every rank's node: what a later start compares with
+        before = World.previous(job) if self.rank == 0 else None  # the previous start of this job, if any
+        # run_id: what this run's checkpoints record (and prune); the previous start's when the job goes on
+        found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
+                                                      run_id=(before or {}).get("run_id"))
+        self.change: Any = None
+        if self.rank == 0:
+            if before is not None:  # a restart or a new world: nodes, world and layout, then the steps redone
+                self.change = self.world.compare(job, before, start)
+                for line in self.change.lines():  # none for a restart in the same world (torchrun's line said it)
+                    print(line, file=sys.stderr, flush=True)
+            redone = self.change.redone_text() if self.change is not None else ""
+            if found is not None:
+                from megashard.train.startpoint import read_record, resumed_line
+
+                print(resumed_line(job, found, start, read_record(found), sizes) + redone, file=sys.stderr, flush=True)
+            elif self.change is not None:
+                print(f"megashard run: started from step 0 (no checkpoint yet){redone}", file=sys.stderr, flush=True)
+            self.world.write(job, self.run_id, start)
         self.data = Batches(job.data, job.model, t.global_batch, job.parallel.seed, dp_rank=state.rank_in("dp"),
                             dp_size=sizes.dp, cp_rank=state.rank_in("cp"), cp_size=sizes.cp,
                             device=current_device(state.device_type))
@@ -227,13 +247,17 @@ class TrainRun:
             from megashard.train.pipeline import Pipeline
 
             self.pipe = Pipeline(job, state, self.model)
-        self.microbatches = job.microbatches(sizes.pp)
+        self.microbatches = job.microbatches(sizes.pp, sizes.dp)
         self.tokens_per_step = t.global_batch * job.model.seq_len
         self.result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
         if job.checkpoint.async_save:  # checkpoint.async: written in the background, one save in flight
             from megashard.checkpoint.async_save import AsyncSaver
 
             self.saver = AsyncSaver()
+        from megashard.train.checkpointing import SaveSchedule
+
+        self.schedule = SaveSchedule(job, state)
+        self.pause_file = os.environ.get("MEGASHARD_PAUSE_FILE") or None
         self.model.train()
         self.t_start = time.perf_counter()
 
@@ -244,6 +268,8 @@ class TrainRun:
         from megashard.state.rng import model_parallel_manual_seed
 
         job, state, t, result, model = self.job, self.state, self.job.train, self.result, self.model
+        while self.pause_file is not None and os.path.exists(self.pause_file):  # tests: hold the world here
+            time.sleep(0.05)
         t0 = time.perf_counter()
         if self.doc is not None:
             self.doc.ledger.step = step + 1  # the step being trained, as metrics.jsonl numbers it
@@ -273,7 +299,10 @@ class TrainRun:
         result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
         tokens = self.tokens_per_step
         record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, "time": time.time()}
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, "time": time.time(),
+                  "world_size": self.world.world_size}
+        if self.change is not None and done == result.start_step + 1:  # the first step after a restart or a change
+            record["world_change"] = self.change.record(record["time"], dt)
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             record["valid_loss"] = result.valid_losses[done] = evaluate(model, self.data, t.eval_batches, state, pipe)
             if self.rank == 0:
@@ -290,17 +319,18 @@ class TrainRun:
             os._exit(1)
 
     def save(self, done: int) -> None:
-        """The checkpoint of step ``done`` when one is due (every ``checkpoint.interval`` steps, and the last step
-        with ``checkpoint.save_final``); records how long the loop was blocked."""
+        """The checkpoint of step ``done`` when one is due (every ``checkpoint.interval`` steps or seconds — decided by
+        every rank together —, and the last step with ``checkpoint.save_final``); records how long the loop was
+        blocked."""
         from megashard.train.checkpointing import save_checkpoint
 
         job = self.job
-        ck = job.checkpoint
-        if (ck.interval and done % ck.interval == 0) or (done == job.train.steps and ck.save_final):
+        if self.schedule.due(done):
             t_save = time.perf_counter()
             save_checkpoint(job.checkpoint_dir, done, self.model, self.optimizer, self.state,
-                            consumed_samples=done * job.train.global_batch, keep=ck.keep, job=job.to_dict(),
-                            saver=self.saver, run_id=self.run_id)
+                            consumed_samples=done * job.train.global_batch, keep=job.checkpoint.keep,
+                            job=job.to_dict(), saver=self.saver, run_id=self.run_id)
+            self.schedule.saved()
             self.result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
 
     def end(self, on_end: Optional[Callable[[torch.nn.Module, ParallelState], None]] = None) -> TrainResult:
@@ -324,6 +354,7 @@ class TrainRun:
         if self.writer is not None:
             self.writer.close()
             _report(self.job, result, read_metrics(self.writer.path), plot_loss)
+            self.world.write(self.job, self.run_id, result.final_step, ended=True)  # the next start is a new launch
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
         # groups down while another still runs (then the worker ends its groups: end_distributed).
         _final_barrier(self.job.parallel.timeout)
@@ -404,6 +435,14 @@ def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) 
                    + (f"validation loss {valid:.4f}, " if valid is not None else "") +
                    f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
     lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
+    changes = [r["world_change"] for r in records if isinstance(r.get("world_change"), dict)]
+    if changes:  # restarts and world changes of this run: the work they cost (details per change in metrics.jsonl)
+        down = sum(c.get("seconds_down") or 0.0 for c in changes) + sum(c.get("seconds_redone") or 0.0 for c in changes)
+        sizes = " → ".join(str(r["world_size"]) for i, r in enumerate(records) if "world_size" in r
+                           and (i == 0 or records[i - 1].get("world_size") != r["world_size"]))
+        lines.append(f"  {len(changes)} restart{'s' if len(changes) != 1 else ''} or world change"
+                     f"{'s' if len(changes) != 1 else ''} (world {sizes}): {sum(c.get('steps_redone') or 0 for c in changes)} "
+                     f"steps redone, {down:.1f} s lost")
     if job.train.plot:
         png = os.path.join(out, "loss.png")
         note = plot(records, png, title=f"{job.name}: loss")

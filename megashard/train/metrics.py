@@ -1,8 +1,11 @@
 """Per-run metrics: one JSON object per step in ``<out_dir>/metrics.jsonl``, and the loss-curve PNG.
 
 A line looks like ``{"step": 12, "loss": 4.81, "lr": 0.0018, "grad_norm": 0.93, "tokens": 12288,
-"tokens_per_s": 10234.5, "step_time_s": 0.094, "time": 1730000000.1}``. A resumed run first drops the
-lines of steps after the checkpoint it resumes from, so the file always describes one trajectory.
+"tokens_per_s": 10234.5, "step_time_s": 0.094, "time": 1730000000.1, "world_size": 4}``. A resumed run first drops
+the lines of steps after the checkpoint it resumes from, so the file always describes one trajectory. The first step
+after a restart or a change of the world (an elastic job) carries ``world_change``: the world before, the nodes
+that left and joined, the step resumed from, the steps redone and the seconds lost (:mod:`megashard.train.world`);
+the loss plot marks those steps.
 """
 from __future__ import annotations
 
@@ -45,6 +48,22 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def world_changes(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """``[(step, "world 4→2"), ...]``: the first step after each restart or change of the world size, with a label."""
+    out = []
+    for i, r in enumerate(records):
+        change = r.get("world_change")
+        before = records[i - 1].get("world_size") if i else None
+        if isinstance(change, dict):
+            before = change.get("world_size_before", before)
+        elif not (i and before is not None and r.get("world_size") not in (None, before)):
+            continue
+        now = r.get("world_size")
+        label = f"world {before}→{now}" if before not in (None, now) else "restart"
+        out.append((int(r["step"]), label))
+    return out
+
+
 def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> Optional[str]:
     """Write the loss curve to ``path`` (PNG). Returns None on success, else a note why it was skipped."""
     try:
@@ -62,7 +81,15 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     valid = [r for r in records if "valid_loss" in r]
     if valid:
         ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", ms=3, lw=1.2, label="validation")
-        ax.legend()
+    marks = world_changes(records)
+    for step, text in marks:  # a restart or a new world size: a dashed line at the first step trained after it
+        ax.axvline(step - 0.5, color="tab:red", ls="--", lw=0.9, alpha=0.7)
+        ax.annotate(text, xy=(step - 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=7, color="tab:red", rotation=90, va="top")
+    if valid or marks:
+        if marks:
+            ax.plot([], [], color="tab:red", ls="--", lw=0.9, label="restart / world change")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -70,7 +70,7 @@ class Pipeline:
         self.schedule_name = job.train.pipeline_schedule
         self.group = state.group("pp")
         self.pp, self.pp_rank = state.size("pp"), state.rank_in("pp")
-        self.microbatches = job.microbatches(state.size("pp"))
+        self.microbatches = job.microbatches(state.size("pp"), state.size("dp"))
         self.timeout = float(job.parallel.timeout)
         parts = list(model.parts)
         device = next(parts[0].parameters()).device

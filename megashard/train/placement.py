@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["model_placement", "format_placement"]
 
 
-def model_placement(job: "JobConfig", pp: int, vpp: int, ep: int) -> dict:
+def model_placement(job: "JobConfig", pp: int, vpp: int, ep: int, dp: int = 1) -> dict:
     """Where each pipeline stage and expert of ``job``'s model lives, for ``megashard plan``.
 
     ``{"stages": [{"stage", "pp_rank", "virtual", "layers", "holds"}...], "experts": {"moe_layers", "per_ep_rank":
@@ -35,7 +35,7 @@ def model_placement(job: "JobConfig", pp: int, vpp: int, ep: int) -> dict:
                            "layers": list(split[s]) if split is not None else [], "holds": holds})
     stages.sort(key=lambda d: d["stage"])
     out: dict = {"stages": stages, "schedule": schedule if pp > 1 else None,
-                 "microbatches": job.microbatches(pp)}
+                 "microbatches": job.microbatches(pp, dp)}
     if m.num_experts:
         n = m.num_experts // ep if m.num_experts % ep == 0 else 0
         out["experts"] = {"moe_layers": job.moe_layers(), "num_experts": m.num_experts,

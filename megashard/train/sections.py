@@ -7,9 +7,10 @@ each value's type; :class:`~megashard.train.config.JobConfig` holds the sections
 """
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from megashard.config.keys import reject_unknown_keys, yaml_keys
 from megashard.errors import ConfigError
@@ -18,6 +19,7 @@ from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig, defaul
 DTYPES = ("float32", "float64", "bfloat16")
 SOURCES = ("synthetic", "text", "indexed")
 SCHEDULES = ("cosine", "linear", "constant")
+UNFILLABLE_WORLD = ("wait", "stop")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
 
@@ -55,8 +57,12 @@ class TrainConfig:
     ``parallel.vpp ≥ 2``: rank r runs stages r, r + pp, …) or ``zbv`` (zero-bubble V, needs ``parallel.vpp = 2``)."""
     microbatches: Optional[int] = None
     """Microbatches per step and data-parallel rank: global_batch = microbatches × micro-batch size × dp, so
-    ``global_batch`` must divide by microbatches · dp. ``null`` = pp (1 without pipeline). With pp = 1 the
-    microbatches accumulate gradients; ``1f1b`` needs microbatches ≥ pp."""
+    ``global_batch`` must divide by microbatches · dp. ``null`` = pp (1 without pipeline), or what
+    ``micro_batch_size`` gives. With pp = 1 the microbatches accumulate gradients; ``1f1b`` needs microbatches ≥ pp."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per microbatch and data-parallel rank, instead of ``microbatches``: the microbatches per step
+    (gradient accumulation) are global_batch / (dp × micro_batch_size), recomputed for every world size of an
+    elastic job, so the memory per rank stays put while dp changes. ``null`` = global_batch / (dp × microbatches)."""
     reshard_between_microbatches: bool = False
     """With a pipeline: FSDP frees the gathered parameters after every microbatch's forward (less memory, one
     all-gather per microbatch) instead of keeping them until the step's backward is done."""
@@ -138,8 +144,11 @@ class DataConfig:
 class CheckpointConfig:
     """Distributed checkpoints (torch.distributed.checkpoint, one directory per step, written atomically)."""
 
-    interval: int = 50
-    """Save every this many steps; 0 = never (except ``save_final``)."""
+    interval: Union[int, str] = 50
+    """Save every this many steps (an integer; 0 = never, except ``save_final``), or every so much time: a number
+    with a unit, ``"300s"``, ``"10m"``, ``"1h"`` — the ranks decide together (rank clocks may differ: one small
+    all-reduce per step takes the largest time since the last save), so every rank saves after the same step. An
+    elastic job loses at most one interval of work per node lost (docs/elastic.md)."""
     save_final: bool = True
     """Also save after the last step."""
     keep: int = 2
@@ -167,30 +176,128 @@ class CheckpointConfig:
     background save is reported at the next checkpoint or at the end; the previous checkpoint stays loadable.
     (Python field: ``async_save``, as ``async`` is a keyword.)"""
 
+    @property
+    def interval_steps(self) -> int:
+        """Steps between saves (0: never, or a time interval: :attr:`interval_seconds`)."""
+        return parse_interval(self.interval)[0]
+
+    @property
+    def interval_seconds(self) -> Optional[float]:
+        """Seconds between saves when ``interval`` is a time (``"300s"``), else None."""
+        return parse_interval(self.interval)[1]
+
 
 @dataclass
 class LaunchConfig:
     """How ``megashard run`` starts the job through torchrun (``torch.distributed.run``)."""
 
-    nnodes: int = 1
-    """Nodes (world size = nnodes × nproc_per_node). Under Slurm, defaults to ``SLURM_NNODES``."""
+    nnodes: Union[int, str] = 1
+    """Nodes (world size = nnodes × nproc_per_node), or an elastic range ``"MIN:MAX"`` (e.g. ``1:4``): the job runs
+    on any node count in range, re-forms the world when a node leaves or joins and resumes there, the data-parallel
+    axis absorbing the change (docs/elastic.md). Under Slurm, defaults to ``SLURM_NNODES`` (a range is kept)."""
     nproc_per_node: int = 4
     """Processes per node (one per GPU on CUDA)."""
     max_restarts: int = 0
-    """How often torchrun restarts the whole worker group after a failure; the job resumes from its newest checkpoint."""
+    """How often torchrun restarts the whole worker group after a failure; the job resumes from its newest checkpoint.
+    In an elastic job a node that leaves or joins re-forms the world without using one up (a failure of this
+    node's own workers does)."""
     rdzv_backend: str = "c10d"
-    """torchrun rendezvous backend for multi-node runs (single-node runs use ``--standalone``)."""
+    """torchrun rendezvous backend for multi-node runs (single-node runs use ``--standalone``): ``c10d`` (a store on
+    the node of ``rdzv_endpoint``), ``etcd``, ``etcd-v2`` (an etcd server) or ``static`` (fixed nodes: needs
+    ``node_rank`` and ``rdzv_endpoint``, no elastic range), or one a torchrun plugin registers."""
     rdzv_endpoint: Optional[str] = None
-    """``host:port`` of the rendezvous for multi-node runs; under Slurm, defaults to the first node of the job, port 29500."""
+    """``host:port`` of the rendezvous for multi-node runs (no ``http://``); under Slurm, defaults to the first node of
+    the job, port 29500."""
     rdzv_id: Optional[str] = None
     """Rendezvous id shared by all nodes of one job; under Slurm, defaults to ``SLURM_JOB_ID``."""
     node_rank: Optional[int] = None
     """This node's rank (needed only for ``rdzv_backend: static``); under Slurm, defaults to ``SLURM_NODEID``."""
     monitor_interval: float = 0.5
     """Seconds between torchrun's health checks of the workers."""
+    rdzv_last_call: int = 30
+    """Elastic (``c10d``, ``etcd-v2``): seconds the rendezvous waits for more nodes once ``MIN`` are there, at the start
+    and after a node left (torchrun's ``last_call_timeout``)."""
+    rdzv_node_timeout: int = 15
+    """Elastic (``c10d``, ``etcd-v2``): seconds without a heartbeat after which a node counts as gone and the
+    rendezvous re-forms without it (torchrun's ``keep_alive_interval`` × ``keep_alive_max_attempt``, an interval of
+    ⌈value/3⌉ s, 3 attempts; at least 3)."""
+    unfillable_world: str = "wait"
+    """Elastic: what the job does when the rendezvous forms a world size the fixed axes (tp, cp, pp, ep) or the global
+    batch cannot fill (``megashard plan`` lists them): ``wait`` (one line, then wait for a node to join or leave;
+    nothing is written) or ``stop`` (one line, the job ends with exit code 2)."""
     slurm: Optional[bool] = None
     """Read Slurm variables: ``null`` = when ``SLURM_JOB_ID`` is set (and launch.nnodes is not given on the command
     line), ``true`` = required, ``false`` = ignore them."""
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """``(MIN, MAX)`` node counts (equal unless ``nnodes`` is an elastic range)."""
+        return parse_node_range(self.nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether ``nnodes`` is a range ``MIN:MAX`` with MIN < MAX."""
+        lo, hi = self.node_range
+        return lo < hi
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether the job may span several nodes (a rendezvous of launchers, not ``--standalone``)."""
+        return self.node_range[1] > 1
+
+    def world_sizes(self) -> list[int]:
+        """Every world size the job may run at: ``n × nproc_per_node`` for n in MIN..MAX."""
+        lo, hi = self.node_range
+        return [n * self.nproc_per_node for n in range(lo, hi + 1)]
+
+
+_UNION_EXAMPLES = {"nnodes": "2, or 1:4 for an elastic range", "interval": "50 steps, or '300s'"}
+
+
+def parse_node_range(nnodes: Union[int, str], where: str = "launch.nnodes") -> tuple[int, int]:
+    """``2`` -> (2, 2); ``"1:4"`` -> (1, 4): the node counts a job may run on. ConfigError (one line) otherwise."""
+    rule = (f"must be a positive integer (e.g. 2) or an elastic range MIN:MAX of node counts with 1 <= MIN <= MAX "
+            f"(e.g. 1:4)")
+    if isinstance(nnodes, bool):
+        raise ConfigError(f"{where}={nnodes!r} {rule}")
+    if isinstance(nnodes, int):
+        if nnodes < 1:
+            raise ConfigError(f"{where}={nnodes} {rule}")
+        return nnodes, nnodes
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
+    if not m:
+        raise ConfigError(f"{where}={_short(nnodes)} {rule}")
+    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"{where}={_short(nnodes)} {rule}")
+    return lo, hi
+
+
+#: Units of a checkpoint interval given as a time, in seconds.
+TIME_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_interval(interval: Union[int, str], where: str = "checkpoint.interval") -> tuple[int, Optional[float]]:
+    """``50`` -> (50, None): every 50 steps (0 = never); ``"300s"`` / ``"10m"`` / ``"1.5h"`` -> (0, seconds).
+    ConfigError (one line) otherwise."""
+    rule = ("must be a number of steps (an integer >= 0, e.g. 50; 0 = never) or a time with a unit: '300s', '10m', "
+            "'1h' (s, m or min, h)")
+    if isinstance(interval, bool):
+        raise ConfigError(f"{where}={interval!r} {rule}")
+    if isinstance(interval, int):
+        if interval < 0:
+            raise ConfigError(f"{where}={interval} {rule}")
+        return interval, None
+    text = str(interval).strip()
+    if text.isdigit():
+        return int(text), None
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)", text.lower())
+    if not m or m.group(2) not in TIME_UNITS:
+        raise ConfigError(f"{where}={_short(interval)} {rule}")
+    seconds = float(m.group(1)) * TIME_UNITS[m.group(2)]
+    if not seconds > 0:
+        raise ConfigError(f"{where}={_short(interval)} must be a time > 0 (or 0 steps for never)")
+    return 0, seconds
 
 
 #: The sections documented in docs/config.md after ``parallel`` (read by tools/gen_config_docs.py).
@@ -216,7 +323,12 @@ def _check_type(cls: type, section: str, name: str, value: Any, key: Optional[st
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{where}=null is not allowed; give a {base.__name__}")
+        raise ConfigError(f"{where}=null is not allowed; give a {getattr(base, '__name__', 'value')}")
+    if set(typing.get_args(base)) == {int, str}:  # e.g. launch.nnodes: 2 or "1:4"; the field's parser checks the text
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{where}={_short(value)} must be an integer or a string (e.g. "
+                              f"{_UNION_EXAMPLES.get(name, '2')})")
+        return value
     if base is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}={_short(value)} must be true or false")

@@ -274,16 +274,18 @@ class ResumePlan:
     note: Optional[str] = None
 
 
-def plan_resume(job: "JobConfig", requested: Optional[str]) -> ResumePlan:
+def plan_resume(job: "JobConfig", requested: Optional[str], run_id: Optional[str] = None) -> ResumePlan:
     """Rank 0: what :func:`megashard.train.checkpointing.resume_checkpoint` tries (see the module docstring).
 
-    This run's id: the launcher's (``MEGASHARD_RUN_ID``), else torchrun's run id, else a new one. A fresh start
-    (``train.resume=false``) resumes only from checkpoints of its own run (an earlier attempt, before a torchrun
-    restart); an earlier run's checkpoints are moved aside (``checkpoint.move_aside``) or stop the job.
+    This run's id: ``run_id`` (the previous start of the same job: :mod:`megashard.train.world`, so an elastic job whose
+    rank 0 moved to another node's launcher stays one run), else the launcher's (``MEGASHARD_RUN_ID``), else
+    torchrun's run id, else a new one. A fresh start (``train.resume=false``) resumes only from checkpoints of its own
+    run (an earlier attempt, before a torchrun restart or a change of the world); an earlier run's checkpoints are
+    moved aside (``checkpoint.move_aside``) or stop the job.
     """
     from megashard.checkpoint.safety import list_checkpoints, run_of
 
-    this_run = os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or new_run_id()
+    this_run = run_id or os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or new_run_id()
     plan = ResumePlan(run_id=this_run)
     try:
         if requested is not None:
