@@ -31,7 +31,8 @@ Check = Callable[[int, int], None]
 _UNSET = object()
 
 
-def _worker(rank: int, world_size: int, init_file: str, checks: Sequence[Check], q, pg_timeout: float, backend: str):
+def _worker(rank: int, world_size: int, init_file: str, checks: Sequence[Check], q, pg_timeout: float, backend: str,
+            device_id: str | None = None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -43,7 +44,7 @@ def _worker(rank: int, world_size: int, init_file: str, checks: Sequence[Check],
     try:
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
+            timeout=timedelta(seconds=pg_timeout), **({"device_id": torch.device(device_id)} if device_id else {}),
         )
     except BaseException:  # noqa: BLE001 - report, do not hang
         q.put(("error", rank, "<init_process_group>", traceback.format_exc()))
@@ -97,12 +98,14 @@ def spawn_checks(
     pg_timeout: float = 30.0,
     backend: str = "gloo",
     cuda: bool = False,
+    device_id: str | None = None,
 ) -> DistResults:
     """Spawn ``world_size`` processes, join one process group, run every check on every rank.
 
     ``timeout`` (s) bounds the whole spawn; ``pg_timeout`` (s) is every collective's timeout. The processes see no
     GPU (``CUDA_VISIBLE_DEVICES=""``) unless ``cuda=True`` (tests/gpu): on a GPU machine the CPU tests stay CPU
-    tests (megashard's ``auto`` device would otherwise pick the GPU).
+    tests (megashard's ``auto`` device would otherwise pick the GPU). ``device_id`` (e.g. ``"cpu:0"``): the device
+    the default group is bound to (``init_process_group(device_id=...)``).
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -110,7 +113,8 @@ def spawn_checks(
     with tempfile.TemporaryDirectory(prefix="megashard-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, list(checks), q, pg_timeout, backend), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, list(checks), q, pg_timeout, backend, device_id),
+                        daemon=True)
             for r in range(world_size)
         ]
         hidden = None if cuda or backend == "nccl" else os.environ.get("CUDA_VISIBLE_DEVICES", _UNSET)

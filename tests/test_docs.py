@@ -45,9 +45,38 @@ def test_ci_runs_the_readme_test_command():
     cmd = "bash tools/setup.sh && .venv/bin/python -m pytest -q tests"
     assert cmd in readme
     assert cmd in ci.splitlines()
-    # ... and the suite again under the python3 of a clean PATH (what a new user gets), in its own venv.
+    # ... and the files where interpreters differ under the python3 of a clean PATH (what a new user gets), in its
+    # own venv.
     assert "env -i PATH=/usr/local/bin:/usr/bin:/bin sh -c 'command -v python3'" in ci
-    assert 'PYTHON="$sys_py" VENV=.venv-sys bash tools/setup.sh && .venv-sys/bin/python -m pytest -q tests' in ci
+    assert 'PYTHON="$sys_py" VENV=.venv-sys bash tools/setup.sh && .venv-sys/bin/python -m pytest -q $INTERP_TESTS' in ci
+
+
+def _ci_list(ci: str, name: str) -> list[str]:
+    import re
+
+    m = re.search(rf'^{name}="([^"]*)"', ci, re.M)
+    assert m, f".ci/run defines no {name}"
+    return m.group(1).split()
+
+
+def test_ci_reruns_real_files_on_the_system_python_and_the_oldest_and_newest_torch():
+    """The lists CI runs again name test files that exist (pytest would stop at a missing one, after the long first
+    step), once each; the second torch steps are setup.py's oldest and newest supported releases."""
+    import re
+
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for name in ("INTERP_TESTS", "TORCH_TESTS"):
+        files = _ci_list(ci, name)
+        assert files and len(set(files)) == len(files), (name, files)
+        assert [f for f in files if not (ROOT / f).is_file()] == [], name
+    assert "tests/test_checkpoint_unpickle.py" in _ci_list(ci, "INTERP_TESTS")  # what 3.11.2 pickles differently
+    assert {"tests/test_checkpoint_async.py", "tests/test_pipeline.py", "tests/test_state_gloo.py",
+            "tests/test_members_only_groups.py", "tests/test_uneven_dcp.py"} <= set(_ci_list(ci, "TORCH_TESTS"))
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    low, major, high = re.search(r'"torch>=(\d+\.\d+),<(\d+)\.(\d+)"', setup).groups()
+    newest = f"{major}.{int(high) - 1}"
+    assert f"second_torch {low}.0 .venv-torch{low.replace('.', '')} 3" in ci.splitlines()
+    assert f"second_torch {newest}.0 .venv-torch{newest.replace('.', '')} 4" in ci.splitlines()
 
 
 def test_setup_installs_what_the_promised_outputs_need():

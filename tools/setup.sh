@@ -14,7 +14,7 @@
 #   cu130|cu128|cu126  that PyTorch index (https://download.pytorch.org/whl/<tag>);
 #   pypi          PyPI's torch, which on Linux x86_64 is a CUDA build (~4.7 GB with its nvidia-* packages).
 #
-# torch is pinned to 2.13.0 (megashard supports 2.11 - 2.14), preferring the CPU build:
+# torch is pinned to 2.13.0 (megashard supports 2.11 - 2.15), preferring the CPU build:
 #   1. a torch wheel pip finds on local disk (pip's find-links, e.g. PIP_FIND_LINKS=/opt/wheels), no download;
 #   2. else the PyTorch CPU index (~200 MB), tried with a short timeout;
 #   3. else PyPI, whose Linux x86_64 torch is the CUDA build (~4.7 GB with its nvidia-* packages).
@@ -72,7 +72,7 @@ ready() {
   env -u PYTHONPATH "$VPY" - "$PWD" "$CUDA_TAG" <<'EOF' >/dev/null 2>&1
 import os, sys
 import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, megashard
-assert (2, 11) <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
+assert (2, 11) <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 16)
 assert torch.version.cuda or not sys.argv[2]
 assert os.path.dirname(os.path.dirname(os.path.abspath(megashard.__file__))) == sys.argv[1]  # this checkout
 EOF

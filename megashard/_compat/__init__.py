@@ -1,4 +1,4 @@
-"""The one place megashard touches private PyTorch APIs (supported: torch 2.11 - 2.14).
+"""The one place megashard touches private PyTorch APIs (supported: torch 2.11 - 2.15).
 
 Every private name megashard needs is imported here, with a fallback or a clear error where it moved between
 releases; the rest of the package imports these names from this package only (``from megashard._compat import
@@ -29,6 +29,9 @@ from megashard._compat.c10d import (
     group_timeout,
     install_numpy_free_object_collectives,
     live_process_group_count,
+    live_process_groups,
+    members_only_name_salt,
+    members_only_options,
     options_with_timeout,
     wrap_backend_creator,
 )
@@ -79,10 +82,10 @@ __all__ = [
     "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes", "dtensor_local",
     "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
     "functional_group_name", "group_timeout", "hook_functional_outputs", "install_numpy_free_object_collectives",
-    "live_process_group_count", "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout",
-    "pipeline_stage_class", "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined",
-    "strided_shard_class", "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at",
-    "wrap_backend_creator",
+    "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
+    "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
+    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined", "strided_shard_class",
+    "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
 ]
 
 

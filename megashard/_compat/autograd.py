@@ -17,5 +17,5 @@ def autograd_checkpoint_valid() -> bool:
 # --- torch.optim.Adam internals (used by megashard.train.optim) ------------------------------------------
 def adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps) -> bool:
     """``torch.optim.Adam._init_group``: fills the lists with a group's parameters that have gradients and their
-    state (created on first use); returns whether any is complex. Same signature in torch 2.11 - 2.14."""
+    state (created on first use); returns whether any is complex. Same signature in torch 2.11 - 2.15."""
     return bool(opt._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps))

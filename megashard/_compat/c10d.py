@@ -29,6 +29,42 @@ def options_with_timeout(pg_options, timeout):
     return pg_options
 
 
+def members_only_options(pg_options, backend):
+    """``pg_options`` for a group its members create alone (``new_group(use_local_synchronization=True)``), such
+    that torch builds its communicator among the members instead of splitting the default group's.
+
+    Where the default group is bound to a device, torch makes every later group of the same backend by splitting the
+    default group's communicator (``_get_split_source``). ``ncclCommSplit`` is collective over the whole default
+    group - torch has the non-members do a "no-color" split, but only when they call ``new_group``, which
+    members-only creation spares them - so the members of a group that not every rank is in (the pipeline-edge
+    groups, a multi-module layout's groups) could wait for ranks that never come. torch 2.15's NCCL (``nccl2``, its
+    default ``nccl``) binds the default group to its device when it creates it (``_nccl2_device``): that is every
+    NCCL job on 2.15. ``lazy_init`` on the options (2.15's ``_new_process_group_helper``: "a lazy_init group is not
+    created by splitting") keeps the group out of the split, so its members build it among themselves as on 2.13.
+    Gloo's creator ignores the split source (it builds every group afresh), and other backends, unbound default
+    groups and torch without ``lazy_init`` (2.11, 2.13) get ``pg_options`` as they are. Read from torch's source
+    and checked on CPU; unproven on GPUs (docs/gpu.md)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or getattr(dist.group.WORLD, "bound_device_id", None) is None:
+        return pg_options
+    if "nccl" not in str(backend or dist.get_backend()).lower():
+        return pg_options
+    if pg_options is None:
+        try:
+            from torch.distributed import ProcessGroupNCCL
+        except ImportError:  # a build without NCCL: there is nothing to split
+            return None
+        fresh = ProcessGroupNCCL.Options()
+        if not hasattr(fresh, "lazy_init"):  # torch 2.11 - 2.13: no way to opt out; keep torch's own default options
+            return None
+        fresh.is_high_priority_stream = False  # what torch's NCCL creator sets on options it makes itself
+        pg_options = fresh
+    if hasattr(pg_options, "lazy_init"):
+        pg_options.lazy_init = True
+    return pg_options
+
+
 def group_timeout(group, device: str = "cpu"):
     """The timeout (a ``timedelta``) ``group``'s backend for ``device`` was created with (gloo: the group's
     ``ProcessGroupGloo.Options``; NCCL: ``ProcessGroupNCCL.Options``), or None where the backend keeps none."""
@@ -130,7 +166,8 @@ def destroy_group_keep_name(pg) -> None:
     (``_hash_ranks_to_str``) and rendezvouses under that name in the default store: a destroyed group's name coming
     back (same ranks, same count) would read the dead group's store keys and connect to closed sockets. Keeping
     the count (a placeholder entry under the same name) makes every later name new; the entries go with the
-    default group (``destroy_process_group()`` clears the map)."""
+    default group (``destroy_process_group()`` clears the map). torch 2.15 counts group creations instead
+    (:func:`members_only_name_salt`), which a destroy never lowers: there the placeholder only keeps the name taken."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -145,3 +182,28 @@ def live_process_group_count() -> int:
     from torch.distributed import distributed_c10d as c10d
 
     return len(c10d._world.pg_map)
+
+
+def live_process_groups() -> list:
+    """This process's live process groups other than the default group (torch's group map)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [pg for pg in c10d._world.pg_map if pg is not c10d._world.default_pg]
+
+
+def members_only_name_salt() -> int:
+    """The count torch salts the name of the next members-only group with (``_hash_ranks_to_str``): the number of
+    group creations of this process (``_world.group_count``) where torch counts those (2.15; a group is named on its
+    members only, so a rank that created fewer groups than its peers names the next one differently), else the
+    number of live named groups (``len(_world.pg_names)``: torch 2.11 and 2.13). Probed from torch's source."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        counts_creations = "group_count" in inspect.getsource(c10d._hash_ranks_to_str)
+    except (OSError, TypeError, AttributeError):  # no source (a frozen install): decide by release
+        from megashard._compat.version import TORCH_VERSION
+
+        counts_creations = TORCH_VERSION >= (2, 15)
+    return int(c10d._world.group_count) if counts_creations else len(c10d._world.pg_names)

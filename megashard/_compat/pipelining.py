@@ -9,9 +9,9 @@ def pipeline_stage_class() -> type:
 
     Schedules that place two adjacent stages on one rank (``zbv``'s V: stages 1 and 2 on pp rank 1) pass
     activations between them in memory, but where the schedule warms its communicators up with the stages'
-    ``_get_init_p2p_neighbors_ops`` (torch 2.11; 2.13 votes instead), those ops include an isend/irecv to the
-    stage's own rank, which gloo has no connection for ("Pair is not connected"). Where that method exists the
-    subclass drops the ops whose peer is this rank; everything else is PyTorch's own stage.
+    ``_get_init_p2p_neighbors_ops`` (torch 2.11; 2.13 votes instead; 2.15 has no such method), those ops include
+    an isend/irecv to the stage's own rank, which gloo has no connection for ("Pair is not connected"). Where that
+    method exists the subclass drops the ops whose peer is this rank; everything else is PyTorch's own stage.
     """
     from torch.distributed.pipelining import PipelineStage
 

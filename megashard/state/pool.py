@@ -74,10 +74,11 @@ def pooled_group(ranks: tuple[int, ...], timeout: timedelta, backend: str | None
     pg = _POOL.get(key)
     if pg is not None:
         return pg, False
-    from megashard._compat import options_with_timeout  # lazy: _compat loads DTensor
+    from megashard._compat import members_only_options, options_with_timeout
 
-    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend,
-                        pg_options=options_with_timeout(pg_options, timeout),  # the timeout NCCL gets, no warning
+    # the timeout NCCL gets (without torch's warning); made among the members, never split from the default group
+    opts = members_only_options(options_with_timeout(pg_options, timeout), backend)
+    pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, pg_options=opts,
                         use_local_synchronization=True, group_desc=desc)
     _POOL[key] = pg
     if not _RELEASE_AT_EXIT[0]:
