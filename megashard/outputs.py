@@ -64,6 +64,7 @@ _CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
 _RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|\.config\.yaml\..*\.tmp|metrics\.jsonl|loss\.png"
                         r"|world\.json(\.\d+\.tmp)?|checkpoints|doctor)$")
 # <out_dir>/doctor/: each rank's record (megashard.doctor.watch), and a later world's records in restart_<k>/.
+_MARKER_TMP = re.compile(r"^\." + re.escape(MARKER) + r"\.[A-Za-z0-9_]+\.tmp$")  # temp_path()'s name for it
 _DOCTOR_RECORD = re.compile(r"^rank_\d+\.json(\.\d+\.tmp)?$")
 _DOCTOR_RESTART = re.compile(r"^restart_\d+$")
 _SHARING = {"run", "checkpoints"}  # a run directory may be its own checkpoint directory (checkpoint.dir = out_dir)
@@ -228,7 +229,9 @@ def owner(path: str, kind: str) -> str:
     if marker_kinds(path) is not None:
         return "marked"
     try:
-        names = os.listdir(path)
+        # a marker another process is writing right now (two launchers of one elastic job start together) is not a
+        # file of the user's
+        names = [n for n in os.listdir(path) if not _MARKER_TMP.match(n)]
     except OSError:
         return "foreign"
     if not names:

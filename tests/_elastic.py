@@ -83,7 +83,10 @@ class ElasticRun:
     def __init__(self, out_dir: str, config: str, overrides: list, *, nnodes: str = "1:2", nproc: int = 2,
                  last_call: int = 4, node_timeout: int = 3, timeout: float = 300.0, host_store: bool = False) -> None:
         self.out, self.timeout = out_dir, timeout
-        os.makedirs(out_dir, exist_ok=True)
+        # the launchers' logs and the pause file beside the run directory: megashard writes only into a directory of
+        # its own, and the test's files are not megashard's
+        self.aux = out_dir.rstrip(os.sep) + "-launchers"
+        os.makedirs(self.aux, exist_ok=True)
         self.port = free_port()
         self.store = None
         if host_store:  # the rendezvous store lives in this process: every launcher is a client (c10d falls back)
@@ -93,7 +96,7 @@ class ElasticRun:
 
             self.store = dist.TCPStore("localhost", self.port, is_master=True, wait_for_workers=False,
                                        multi_tenant=True, timeout=timedelta(seconds=timeout))
-        self.pause_file = os.path.join(out_dir, "pause")
+        self.pause_file = os.path.join(self.aux, "pause")
         self.argv = [sys.executable, "-m", "megashard", "run", config, *overrides,
                      f"launch.nnodes={nnodes}", f"launch.nproc_per_node={nproc}",
                      f"launch.rdzv_endpoint=localhost:{self.port}", f"launch.rdzv_id=elastic-{self.port}",
@@ -104,7 +107,7 @@ class ElasticRun:
         self.nodes: list[Node] = []
 
     def node(self, name: str) -> Node:
-        n = Node(name, self.argv, self.env, os.path.join(self.out, f"{name}.log"))
+        n = Node(name, self.argv, self.env, os.path.join(self.aux, f"{name}.log"))
         self.nodes.append(n)
         return n
 

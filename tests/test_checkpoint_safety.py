@@ -130,7 +130,7 @@ def test_damaged_file_raises_naming_it_before_any_tensor_is_loaded(tmp_path, dam
     from megashard.checkpoint.consolidate import consolidate
 
     with pytest.raises(CheckpointCorruptedError, match=target.replace(".", "[.]")):
-        consolidate(str(tmp_path), str(tmp_path / "out.pt"))
+        consolidate(str(tmp_path), str(tmp_path) + "-out.pt")  # outside the checkpoint it reads
 
 
 def test_retention_keeps_exactly_k_and_newest_complete_is_loaded(tmp_path):

@@ -178,7 +178,8 @@ def test_named_empty_or_binary_inputs_are_refused_found_ones_left_out(inputs, tm
         assert err.count("\n") == 1 and f"{tmp_path / bad} {why}" in err, err
         assert os.listdir(tmp_path / "out") == []
     # found in a directory: left out with a note, the text files tokenized
-    out = str(tmp_path / "out" / "dir")
+    os.makedirs(str(tmp_path) + "-out", exist_ok=True)
+    out = str(tmp_path) + "-out/dir"  # outside the directory it reads
     assert _prepare(str(tmp_path), "--out", out) == 0
     assert "note: left out 2 empty or binary file(s) found in the inputs" in capsys.readouterr().err
     assert json.load(open(out + ".meta.json"))["documents"] == 5

@@ -31,7 +31,8 @@ def test_split_cache_equals_definition(block):
     from megashard.data.samples import Split
 
     g = torch.Generator().manual_seed(0)
-    for seed in range(12):
+    # a block of 4096 windows costs ~10x a small one to fill: fewer seeds there, every size and boundary still run
+    for seed in range(12 if block < 1000 else 3):
         for n in (1, 2, 3, 5, 17, 100, 1000, 5000):
             for frac in (0.0, 0.1):
                 if n == 1 and frac:
