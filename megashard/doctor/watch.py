@@ -401,7 +401,9 @@ class Doctor:
     def _say(self, line: str) -> None:
         stream = self.stream or sys.stderr
         try:
-            print(line, file=stream, flush=True)
+            # one write of the line and its newline: print() writes them apart, and the ranks of a host share stderr
+            stream.write(line + "\n")
+            stream.flush()
         except (OSError, ValueError):
             pass
 
