@@ -30,6 +30,9 @@ def test_sizes_with_units(text, expected):
     ("80", "--device-memory '80': a size without a unit is bytes, and 80 bytes is less than 1 MiB; give the unit, "
            "e.g. 80GiB"),
     ("1048575", "1,048,575 bytes is less than 1 MiB"),
+    # with a unit the unit is not blamed (before: "a size without a unit is bytes" from the re-check of the bytes)
+    ("512KiB", "--device-memory '512KiB': 524,288 bytes is less than 1 MiB, less than any device has"),
+    ("0.5MB", "--device-memory '0.5MB': 500,000 bytes is less than 1 MiB"),
     ("80 parsecs", "--device-memory '80 parsecs': give a size such as 80GiB"),
     ("GiB", "give a size such as"),
     ("0GiB", "--device-memory '0GiB': must be more than 0 bytes"),

@@ -111,6 +111,9 @@ def test_a_damaged_record_is_named_and_skipped(tmp_path, capsys, damage, words):
     captured = capsys.readouterr()
     assert captured.err.strip() == f"megashard doctor: warning: {path}: {words}: skipped", captured.err
     assert "records of 1 of 2 ranks" in captured.out
+    # its file is there: rank 1 is not said to be killed before it wrote one
+    assert "rank(s) 1: the record is damaged (named above), so what they did is unknown" in captured.out, captured.out
+    assert "no record from rank(s) 1" not in captured.out, captured.out
 
 
 def test_when_every_record_is_damaged_the_message_says_what_was_found(tmp_path, capsys):

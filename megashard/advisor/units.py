@@ -55,7 +55,11 @@ def parse_bytes(value: Any, option: str = "--device-memory") -> int:
     if not unit and number < MIB:
         raise ConfigError(f"{what}: a size without a unit is bytes, and {number:,.0f} bytes is less than 1 MiB; give the "
                           f"unit, e.g. {_EXAMPLES}")
-    return int(number * UNITS.get(unit or "b", 1))
+    size = int(number * UNITS.get(unit or "b", 1))
+    if size < MIB:  # with a unit: still no device (checked here, so the re-check of the bytes never blames the unit)
+        raise ConfigError(f"{what}: {size:,} bytes is less than 1 MiB, less than any device has; give the device's "
+                          f"memory, e.g. {_EXAMPLES}")
+    return size
 
 
 def check_count(option: str, value: Any, low: int, high: int | None = None, note: str = "") -> int:

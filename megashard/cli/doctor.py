@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -47,6 +48,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ConfigError(f"RUN_DIR {args.run_dir}: no doctor records (doctor/rank_<r>.json); the job ran without "
                           "the hang doctor (train.doctor=false) or never started")
     attempts = [(a.label, a.directory, summarize(a.records)) for a in found.kept]
+    damaged_ranks: dict = {}  # directory -> ranks whose rank_<r>.json there was skipped
+    for path, _ in found.damaged:
+        m = re.match(r"rank_(\d+)\.json$", os.path.basename(path))
+        if m:
+            damaged_ranks.setdefault(os.path.dirname(path), set()).add(int(m.group(1)))
     ignored = sum(len(v) for v in found.other_runs.values())
     ignored_line = (f"ignored {ignored} record(s) of {len(found.other_runs)} other run(s) in {args.run_dir} "
                     f"(run {', '.join(sorted(found.other_runs))[:120]}): an earlier job's files, not this run's"
@@ -67,14 +73,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"megashard doctor: {where}: records of {len(s['ranks']) - len(s['started_only'])} of "
               f"{s['world_size']} ranks; {len(s['rows'])} hung operation(s)")
         print(format_table(s))
-        if s["no_record"]:
-            shown = ", ".join(map(str, s["no_record"][:16])) + (" …" if len(s["no_record"]) > 16 else "")
+        unreadable = sorted(set(s["no_record"]) & damaged_ranks.get(d, set()))
+        if unreadable:  # their file is there but was skipped: not a rank that was killed
+            print(f"rank(s) {', '.join(map(str, unreadable))}: the record is damaged (named above), so what they did "
+                  "is unknown")
+        no_record = [r for r in s["no_record"] if r not in unreadable]
+        if no_record:
+            shown = ", ".join(map(str, no_record[:16])) + (" …" if len(no_record) > 16 else "")
             # a world followed by another of the job ended when torchrun stopped its workers (a restart, a node that
             # joined or left): its ranks were stopped, not necessarily killed by a fault
             why = ("stopped before they could write one (the job went on in a new world: torchrun stops the workers "
                    "of the old one) or killed" if i < len(attempts) - 1 else "killed before they could write one")
             print(f"no record from rank(s) {shown} after their start: {why} (e.g. SIGKILL, out of memory)"
-                  + (" or never started the doctor" if set(s["no_record"]) - set(s["started_only"]) else ""))
+                  + (" or never started the doctor" if set(no_record) - set(s["started_only"]) else ""))
         if slow[i].steps or not (s["rows"] or len(s["started_only"]) == len(s["ranks"])):
             print(format_report(slow[i]))
     if ignored_line and args.format == "table":
