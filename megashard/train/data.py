@@ -119,7 +119,10 @@ def check_corpus(data: DataConfig, model: ModelConfig, seed: int, tp: int) -> No
             missing = True
             check_prepare(data, model, tp)  # what the launcher will prepare: inputs, tokenizer, output, vocabulary
             continue  # prepared by the launcher before the workers start, then checked again
-        stream = open_tokens(path, d.flat_dtype)
+        try:
+            stream = open_tokens(path, d.flat_dtype)
+        except DataError as e:  # name the setting that points there
+            raise DataError(f"{'data.path' if d.blend is None else 'data.blend'}: {e}") from None
         if stream.num_tokens <= m.seq_len:
             raise DataError(f"{path}: {stream.num_tokens} tokens, not one sample of model.seq_len={m.seq_len} (+1) tokens")
         meta = read_meta(path)
