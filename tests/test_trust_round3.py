@@ -27,6 +27,7 @@ import torch
 
 from megashard.cli import main
 from megashard.errors import ConfigError, MegashardError
+from tests.test_bad_inputs_kinds import _snapshot  # a directory's entries with mode, size and mtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
@@ -38,16 +39,6 @@ def _env() -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     env.pop("SLURM_JOB_ID", None)
     return env
-
-
-def _snapshot(d: str) -> dict:
-    out = {}
-    for base, dirs, files in os.walk(d):
-        for n in dirs + files:
-            p = os.path.join(base, n)
-            st = os.lstat(p)
-            out[os.path.relpath(p, d)] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
 
 
 @pytest.fixture
