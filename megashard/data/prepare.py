@@ -23,7 +23,6 @@ corpus may be far larger than memory. The progress bar counts input bytes.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -31,14 +30,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from megashard.data.corpus import FORMAT, META_SUFFIX, TOKENIZER_SUFFIX, write_json_atomic
 from megashard.data.indexed import IndexedDatasetBuilder
-from megashard.data.inputs import ENCODING_ERRORS, Decoder, check_encoding, expand, not_text
+from megashard.data.inputs import Decoder, check_encoding, expand, not_text
+from megashard.data.prepare_outputs import check_outside_inputs, check_prepare_outputs
 from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
-from megashard.errors import ConfigError, DataError
+from megashard.errors import DataError
 from megashard.progress import Progress
 
 __all__ = ["prepare", "PrepareResult", "expand_inputs", "text_inputs", "iter_documents", "check_prepare_outputs"]
@@ -283,61 +283,6 @@ def _run_task(args: tuple[_Task, str, str, str, str, str, tuple]) -> tuple[int, 
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-def _corpus_file_mine(out: str) -> "Callable[[str], Optional[str]]":
-    """Whether an existing output file of prefix ``out`` may be replaced: only when ``out`` is a corpus megashard
-    prepared (its metadata, the corpus's marker, says so)."""
-    def mine(path: str) -> Optional[str]:
-        meta = out + META_SUFFIX
-        try:
-            with open(meta, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            doc = None
-        if isinstance(doc, dict) and doc.get("format") == FORMAT:
-            return None
-        return (f"exists and is not part of a corpus megashard prepared (no {os.path.basename(meta)} with "
-                f"format {FORMAT!r} next to it)")
-
-    return mine
-
-
-def _check_outside_inputs(out: str, inputs: Sequence[str], option: str) -> None:
-    """ConfigError naming ``option`` when a file of corpus ``out`` lies inside an input directory or matches an
-    input glob of ``inputs`` (the INPUT arguments): the same command run again would read its own output as text.
-    Checked before anything (a writability probe included) touches that directory."""
-    import fnmatch
-    import sysconfig
-
-    from megashard.outputs import check_output_file
-
-    stdlib = sysconfig.get_paths()["stdlib"]
-    given = [i.replace("{stdlib}", stdlib) for i in inputs if isinstance(i, str) and i]
-    dirs = [i for i in given if os.path.isdir(i)]
-    patterns = [i for i in given if not os.path.exists(i) and glob.has_magic(i)]
-    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):
-        path = out + suffix
-        if dirs:
-            check_output_file(option, path, reads=dirs, mine=lambda p: None, create_parents=True)
-        for pattern in patterns:  # fnmatch: a '*' also matches '/', so '**' and 'dir/*' are caught alike
-            if fnmatch.fnmatch(os.path.abspath(path), os.path.abspath(pattern)):
-                label = f"{option}{path!r}" if option.endswith("=") else f"{option} {path}"
-                raise ConfigError(f"{label}: matches the input pattern {pattern}, which this command reads: the same "
-                                  "command run again would read the corpus as text; write it outside the inputs")
-
-
-def check_prepare_outputs(out: str, reads: Sequence[str], option: str = "--out", inputs: Sequence[str] = ()) -> None:
-    """The files of corpus ``out`` (``.bin``, ``.idx``, ``.meta.json``, ``.tokenizer.json``) may be written: not a
-    directory, writable, none of ``reads`` (the input files), not inside an input directory nor matched by an input
-    glob of ``inputs`` (the INPUT arguments), and an existing one only as part of a corpus megashard prepared.
-    ConfigError naming ``option``."""
-    from megashard.outputs import check_output_file
-
-    _check_outside_inputs(out, inputs, option)
-    mine = _corpus_file_mine(out)
-    for suffix in (".bin", ".idx", META_SUFFIX, TOKENIZER_SUFFIX):
-        check_output_file(option, out + suffix, reads=reads, mine=mine, create_parents=True)
-
-
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_tokenizer: Optional[int] = None,
             workers: int = 1, text_key: str = "text", progress: bool = True, encoding: str = "utf-8",
             encoding_errors: str = "strict", options: tuple[str, str] = CLI_OPTIONS) -> PrepareResult:
@@ -376,7 +321,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
     if not isinstance(out, str) or not os.path.basename(out):
         raise DataError(f"--out {out!r} must be a file prefix (e.g. data/corpus), not a directory")
     out_dir = os.path.dirname(os.path.abspath(out))
-    _check_outside_inputs(out, inputs, "--out")  # before the probe below writes into the directory
+    check_outside_inputs(out, inputs, "--out")  # before the probe below writes into the directory
     check_output_file("--out", out, create_parents=True, mine=lambda p: None)  # not under a file, writable
     if not os.path.isdir(out_dir):
         raise DataError(f"output directory {os.path.dirname(out) or '.'!r} does not exist (--out {out}); create it first")

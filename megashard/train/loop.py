@@ -20,7 +20,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -30,39 +29,13 @@ from megashard.state.devices import current_device
 from megashard.train.build import build, full_gradients, full_parameters
 from megashard.train.clip import clip_grad_norm
 from megashard.train.config import JobConfig
+from megashard.train.result import TrainResult
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
 __all__ = ["train", "TrainRun", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "full_gradients",
            "job_fingerprint"]
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns on every rank."""
-
-    start_step: int
-    """Step the run started after (0, or the step of the checkpoint it resumed from)."""
-    final_step: int
-    """Last step trained."""
-    losses: dict[int, float] = field(default_factory=dict)
-    """step → global mean loss (identical on every rank)."""
-    grad_norms: dict[int, float] = field(default_factory=dict)
-    """step → global gradient norm before clipping."""
-    valid_losses: dict[int, float] = field(default_factory=dict)
-    """step → validation loss (mean over ``train.eval_batches`` batches and every data-parallel rank)."""
-    seconds: float = 0.0
-    """Wall time of the training steps (excluding set-up)."""
-    tokens_per_s: float = 0.0
-    """Average global throughput of this run's steps."""
-    out_dir: str = ""
-    """The run's output directory."""
-    checkpoint_blocked_s: dict[int, float] = field(default_factory=dict)
-    """step → seconds the loop waited for that step's checkpoint (``checkpoint.async``: staging only, plus waiting for
-    the previous background save if it still ran)."""
-    checkpoint_end_wait_s: float = 0.0
-    """``checkpoint.async``: seconds the end of training waited for the last background save."""
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -344,7 +317,7 @@ class TrainRun:
     def end(self, on_end: Optional[Callable[[torch.nn.Module, ParallelState], None]] = None) -> TrainResult:
         """After the last step: the last background save waited for, the throughput, ``on_end``, rank 0's report,
         and the orderly end (every rank at the final barrier)."""
-        from megashard.train.metrics import plot_loss, read_metrics
+        from megashard.train.metrics import print_summary, read_metrics
 
         result = self.result
         self.bar.close()
@@ -361,7 +334,7 @@ class TrainRun:
             on_end(self.model, self.state)
         if self.writer is not None:
             self.writer.close()
-            _report(self.job, result, read_metrics(self.writer.path), plot_loss)
+            print_summary(self.job, result, read_metrics(self.writer.path))
             self.world.write(self.job, self.run_id, result.final_step, ended=True)  # the next start is a new launch
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
         # groups down while another still runs (then the worker ends its groups: end_distributed).
@@ -428,32 +401,3 @@ def _hold_checkpoint_dir(job: JobConfig) -> Any:
     if lock.note:
         print(f"megashard run: note: {lock.note}", file=sys.stderr, flush=True)
     return lock
-
-
-def _report(job: JobConfig, result: TrainResult, records: list, plot: Callable) -> None:
-    """Rank 0's summary at the end: final loss, throughput, outputs, the loss plot."""
-    out = result.out_dir
-    msg = [f"megashard run: {job.name}: "]
-    if result.final_step == result.start_step:
-        msg.append(f"nothing to do, already at step {result.final_step} of {job.train.steps} "
-                   f"(checkpoint in {job.checkpoint_dir}); raise train.steps to train on")
-    else:
-        valid = result.valid_losses.get(result.final_step)
-        msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "
-                   + (f"validation loss {valid:.4f}, " if valid is not None else "") +
-                   f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
-    lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
-    changes = [r["world_change"] for r in records if isinstance(r.get("world_change"), dict)]
-    if changes:  # restarts and world changes of this run: the work they cost (details per change in metrics.jsonl)
-        down = sum(c.get("seconds_down") or 0.0 for c in changes) + sum(c.get("seconds_redone") or 0.0 for c in changes)
-        sizes = " → ".join(str(r["world_size"]) for i, r in enumerate(records) if "world_size" in r
-                           and (i == 0 or records[i - 1].get("world_size") != r["world_size"]))
-        lines.append(f"  {len(changes)} restart{'s' if len(changes) != 1 else ''} or world change"
-                     f"{'s' if len(changes) != 1 else ''} (world {sizes}): {sum(c.get('steps_redone') or 0 for c in changes)} "
-                     f"steps redone, {down:.1f} s lost")
-    if job.train.plot:
-        png = os.path.join(out, "loss.png")
-        note = plot(records, png, title=f"{job.name}: loss")
-        lines.append(f"  {note}" if note else f"  loss curve: {png}")
-    lines.append(f"  checkpoints: {job.checkpoint_dir}")
-    print("\n".join(lines), file=sys.stderr, flush=True)

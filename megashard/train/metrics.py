@@ -1,4 +1,5 @@
-"""Per-run metrics: one JSON object per step in ``<out_dir>/metrics.jsonl``, and the loss-curve PNG.
+"""Per-run metrics: one JSON object per step in ``<out_dir>/metrics.jsonl``, the loss-curve PNG, and rank 0's
+summary at the end (:func:`print_summary`).
 
 A line looks like ``{"step": 12, "loss": 4.81, "lr": 0.0018, "grad_norm": 0.93, "tokens": 12288,
 "tokens_per_s": 10234.5, "step_time_s": 0.094, "time": 1730000000.1, "world_size": 4}``. A resumed run first drops
@@ -11,7 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Optional
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+if TYPE_CHECKING:
+    from megashard.train.config import JobConfig
+    from megashard.train.result import TrainResult
 
 
 class MetricsWriter:
@@ -98,3 +104,32 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     fig.savefig(path)
     plt.close(fig)
     return None
+
+
+def print_summary(job: "JobConfig", result: "TrainResult", records: list[dict[str, Any]]) -> None:
+    """Rank 0's summary at the end: final loss, throughput, outputs, the loss plot."""
+    out = result.out_dir
+    msg = [f"megashard run: {job.name}: "]
+    if result.final_step == result.start_step:
+        msg.append(f"nothing to do, already at step {result.final_step} of {job.train.steps} "
+                   f"(checkpoint in {job.checkpoint_dir}); raise train.steps to train on")
+    else:
+        valid = result.valid_losses.get(result.final_step)
+        msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "
+                   + (f"validation loss {valid:.4f}, " if valid is not None else "") +
+                   f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
+    lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
+    changes = [r["world_change"] for r in records if isinstance(r.get("world_change"), dict)]
+    if changes:  # restarts and world changes of this run: the work they cost (details per change in metrics.jsonl)
+        down = sum(c.get("seconds_down") or 0.0 for c in changes) + sum(c.get("seconds_redone") or 0.0 for c in changes)
+        sizes = " → ".join(str(r["world_size"]) for i, r in enumerate(records) if "world_size" in r
+                           and (i == 0 or records[i - 1].get("world_size") != r["world_size"]))
+        lines.append(f"  {len(changes)} restart{'s' if len(changes) != 1 else ''} or world change"
+                     f"{'s' if len(changes) != 1 else ''} (world {sizes}): {sum(c.get('steps_redone') or 0 for c in changes)} "
+                     f"steps redone, {down:.1f} s lost")
+    if job.train.plot:
+        png = os.path.join(out, "loss.png")
+        note = plot_loss(records, png, title=f"{job.name}: loss")
+        lines.append(f"  {note}" if note else f"  loss curve: {png}")
+    lines.append(f"  checkpoints: {job.checkpoint_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
