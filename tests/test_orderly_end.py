@@ -34,13 +34,13 @@ def _backend_threads() -> list[str]:
 
 
 def check_delayed_rank0_report_then_orderly_end(rank, world_size):
-    import megashard.train.loop as loop
+    import megashard.train.metrics as metrics
     from megashard.launch import worker
 
     out = os.environ[OUT_ENV]
     marker = os.path.join(out, "report-done")
     if rank == 0:  # rank 0 takes its time over the report (as matplotlib does), then leaves a mark
-        report = loop._report
+        report = metrics.print_summary  # TrainRun.end looks it up when it runs
 
         def slow_report(*args, **kwargs):
             time.sleep(REPORT_DELAY_S)
@@ -48,7 +48,7 @@ def check_delayed_rank0_report_then_orderly_end(rank, world_size):
             with open(marker, "w") as f:
                 f.write(str(time.time()))
 
-        loop._report = slow_report
+        metrics.print_summary = slow_report
     before = collections.Counter(_backend_threads())  # the test harness's own default group
     assert before, "the spawned world has gloo threads before the job"
     code = worker.main([DEFAULT, "launch.nproc_per_node=2", "train.steps=2", "checkpoint.interval=1",
