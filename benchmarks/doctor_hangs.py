@@ -4,10 +4,11 @@ For every mode of ``tests/_doctor_user_script.py`` (a user's script with ``megas
 rank aborted inside an all-reduce of another size, mismatched operations, a deadlock across two groups, a DTensor
 ``full_tensor()`` a rank never joins, a group registered on non-members whose member ended, a rank in its own code, a
 rank SIGKILLed inside a call, a receive whose sender stays in its own code), one ``torchrun --standalone`` launch on
-gloo. Reported per mode: the ranks that printed a line, whether each line names the right group, operation, number and
-ranks with the right words (the expected fragments below), the seconds from the hang (the rank's ``HANG`` mark, right
-before the call) to its line as read from torchrun's stderr, whether ``megashard doctor RUN_DIR`` says the same from
-the files (exit code 1 and the fragment in its table), and whether any process of the launch was left over.
+gloo (for ``kill`` with ``--monitor-interval=3``: see ``TORCHRUN_ARGS``). Reported per mode: the ranks that printed
+a line, whether each line names the right group, operation, number and ranks with the right words (the expected
+fragments below), the seconds from the hang (the rank's ``HANG`` mark, right before the call) to its line as read
+from torchrun's stderr, whether ``megashard doctor RUN_DIR`` says the same from the files (exit code 1 and the
+fragment in its table), and whether any process of the launch was left over.
 
     python benchmarks/doctor_hangs.py [--timeout T] [--modes size,op,...]
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,10 @@ MODES = {
                       "all_reduce #4"], "rank 1: reached it, its process died inside all_reduce #4"),
     "recv": (2, [1], ["waits in recv", "rank 0"], "recv"),
 }
+#: torchrun options per mode. ``kill``: torchrun stops every other worker at its next check after one dies (every
+#: 0.1 s by default), before rank 0 even joins (0.5 s later); with 3 s between checks the survivor gets to the call,
+#: as the ranks on other nodes of a multi-node job do while the rendezvous notices.
+TORCHRUN_ARGS = {"kill": ["--monitor-interval=3"]}
 
 
 def run_mode(mode: str, t: float) -> dict:
@@ -57,8 +63,8 @@ def run_mode(mode: str, t: float) -> dict:
     run_dir = tempfile.mkdtemp(prefix=f"megashard-hangs-{mode}-")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, mode,
-           run_dir, str(t)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *TORCHRUN_ARGS.get(mode, []), SCRIPT, mode, run_dir, str(t)]
     lines: list[tuple[float, str]] = []
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
 
@@ -76,10 +82,10 @@ def run_mode(mode: str, t: float) -> dict:
     hangs = {}
     said: dict[int, tuple[float, str]] = {}
     for when, line in lines:
-        if line.startswith("HANG "):
-            _, rank, at = line.split()
-            hangs[int(rank)] = float(at)
-        elif line.startswith("megashard doctor: rank "):
+        # A mark may share a line with another rank's output (the ranks write to one stderr): find it anywhere.
+        for m in re.finditer(r"HANG (\d+) (\d+\.\d{3})", line):
+            hangs[int(m.group(1))] = float(m.group(2))
+        if line.startswith("megashard doctor: rank "):
             said.setdefault(int(line.split()[3]), (when, line))
     rows = []
     for rank in sorted(set(expect) | set(said)):

@@ -33,7 +33,8 @@ import megashard.doctor as doctor
 
 
 def hang(rank: int) -> None:
-    print(f"HANG {rank} {time.time():.3f}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"HANG {rank} {time.time():.3f}\n")  # one write: the ranks share torchrun's stderr
+    sys.stderr.flush()
 
 
 def give_up(work, t: float) -> None:
