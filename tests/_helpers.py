@@ -7,6 +7,7 @@ every rank must call it on the same state.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -112,3 +113,15 @@ def processes_with(marker: str) -> list[tuple[int, str]]:
         if marker in cmd and not zombie and int(pid) != os.getpid():
             found.append((int(pid), cmd[:160]))
     return found
+
+
+def tree_snapshot(d: str) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``d`` (directories and files, links not followed) with its mode, size and mtime (ns): equal
+    before and after a command when it wrote, touched, added or removed nothing there."""
+    out = {}
+    for base, dirs, files in os.walk(d):
+        for n in dirs + files:
+            p = os.path.join(base, n)
+            st = os.lstat(p)
+            out[os.path.relpath(p, d)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests._helpers import tree_snapshot
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
 RUN = ["run", DEFAULT, "train.steps=2"]  # a case that got through would train briefly and fail its checks
@@ -123,16 +125,6 @@ CASES = [
 ]
 
 
-def _snapshot(d: str) -> dict:
-    out = {}
-    for base, dirs, files in os.walk(d):
-        for n in dirs + files:
-            p = os.path.join(base, n)
-            st = os.lstat(p)
-            out[os.path.relpath(p, d)] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory) -> str:
     import torch
@@ -175,14 +167,14 @@ def _cli(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
 def results(bad, tmp_path_factory):
     """Every case's process, run four at a time, each from an empty directory; the shared inputs' snapshot
     before and after."""
-    before = _snapshot(bad)
+    before = tree_snapshot(bad)
     cases = {}
     for name, argv, _ in CASES:
         cwd = tmp_path_factory.mktemp(name)
         cases[name] = (str(cwd), [a.replace("{bad}", bad) for a in argv])
     with ThreadPoolExecutor(4) as pool:
         done = dict(zip(cases, pool.map(lambda c: _cli(c[1], c[0]), cases.values())))
-    return {n: (cases[n][0], done[n]) for n in cases}, before, _snapshot(bad)
+    return {n: (cases[n][0], done[n]) for n in cases}, before, tree_snapshot(bad)
 
 
 @pytest.mark.parametrize("name,argv,expect", CASES, ids=[c[0] for c in CASES])

@@ -27,7 +27,7 @@ import torch
 
 from megashard.cli import main
 from megashard.errors import ConfigError, MegashardError
-from tests.test_bad_inputs_kinds import _snapshot  # a directory's entries with mode, size and mtime
+from tests._helpers import tree_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
@@ -173,12 +173,12 @@ CLI = [
 def test_bad_input_is_one_line_exit_2_and_nothing_of_the_user_changes(name, argv, expect, bad, capsys, no_launch):
     if "hf-" in name and not HAS_SAFETENSORS:
         pytest.skip("model.init_from needs the optional safetensors package")
-    before = _snapshot(bad)
+    before = tree_snapshot(bad)
     argv = _fmt(argv, bad)
     cmd = " ".join(argv[:2]) if argv[0] in ("data", "ckpt") else argv[0]
     line = _one_line(capsys, main(argv), f"megashard {cmd}: error: ")
     assert expect.replace("{bad}", bad) in line, line
-    after = _snapshot(bad)
+    after = tree_snapshot(bad)
     assert before == after, sorted(set(before.items()) ^ set(after.items()))[:6]
 
 
@@ -398,7 +398,7 @@ def test_a_run_directory_is_marked_and_an_older_one_resumes(trained, tmp_path, c
 def test_export_hf_force_replaces_only_its_own_export(trained, bad, tmp_path, capsys):
     """Before: `cd ~ && megashard ckpt export-hf runs/x/checkpoints . --force` replaced the whole directory."""
     home = os.path.join(bad, "home")
-    before = _snapshot(home)
+    before = tree_snapshot(home)
     old = os.getcwd()
     os.chdir(home)
     try:
@@ -408,7 +408,7 @@ def test_export_hf_force_replaces_only_its_own_export(trained, bad, tmp_path, ca
     line = _one_line(capsys, code, "megashard ckpt export-hf: error: ")
     assert "OUT .: the existing directory holds notes.txt, thesis, not made by megashard; megashard replaces only a " \
            "directory it made itself" in line and "--force" not in line.split("megashard replaces")[0]
-    assert _snapshot(home) == before
+    assert tree_snapshot(home) == before
     out = str(tmp_path / "hf")
     assert main(["ckpt", "export-hf", os.path.join(trained, "checkpoints"), out]) == 0
     assert "exists and is not an empty directory (an earlier export of megashard); pass --force" in (

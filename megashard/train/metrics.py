@@ -106,7 +106,7 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     return None
 
 
-def print_summary(job: "JobConfig", result: "TrainResult", records: list[dict[str, Any]]) -> None:
+def print_summary(job: JobConfig, result: TrainResult, records: list[dict[str, Any]]) -> None:
     """Rank 0's summary at the end: final loss, throughput, outputs, the loss plot."""
     out = result.out_dir
     msg = [f"megashard run: {job.name}: "]
