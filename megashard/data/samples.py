@@ -62,7 +62,8 @@ class StreamWindows:
 
 
 class RowWindows:
-    """Windows that are the rows of a ``[N, seq_len + 1]`` tensor (the synthetic data)."""
+    """Windows that are the rows of a ``[N, seq_len + 1]`` integer tensor (the synthetic data, held in a narrow
+    dtype); :meth:`windows` gives int64."""
 
     def __init__(self, rows: torch.Tensor, name: str = "<rows>") -> None:
         self.rows, self.name, self.seq_len = rows, name, rows.shape[1] - 1
@@ -72,7 +73,7 @@ class RowWindows:
         return self.rows.shape[0]
 
     def windows(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.rows[idx]
+        return self.rows[idx].to(torch.int64)
 
 
 class Split:

@@ -27,25 +27,52 @@ import torch
 from megashard.errors import ConfigError, DataError
 from megashard.train.sections import DataConfig, ModelConfig
 
-__all__ = ["Batches", "synthetic_sequences", "data_paths", "blend_pairs", "check_corpus", "check_samples", "ensure_corpus",
+__all__ = ["Batches", "synthetic_sequences", "synthetic_token_dtype", "distinct_successors", "data_paths", "blend_pairs", "check_corpus", "check_samples", "ensure_corpus",
            "build_samples"]
 
 
-def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
-    """``[num, length]`` int64 tokens from a random Markov chain: every token has ``branching`` likely successors.
+def synthetic_token_dtype(vocab: int) -> torch.dtype:
+    """The narrowest signed integer dtype that holds token ids ``0 .. vocab-1`` (how the synthetic rows are held:
+    int16 up to 32,768 ids, int32 up to 2**31, else int64; batches are int64)."""
+    return torch.int16 if vocab <= 1 << 15 else torch.int32 if vocab <= 1 << 31 else torch.int64
 
-    Deterministic in ``seed`` (a private generator; global RNG untouched).
+
+def distinct_successors(vocab: int, branching: int, generator: torch.Generator) -> torch.Tensor:
+    """``[vocab, branching]`` int64: for every token, ``branching`` distinct successors drawn uniformly from ``0 ..
+    vocab-1``, in ``O(vocab · branching²)`` time and ``O(vocab · branching)`` memory (Floyd's sampling of a
+    ``branching``-subset, vectorised over the tokens: for ``j = vocab - branching .. vocab - 1`` draw ``t`` in
+    ``[0, j]``, take ``t`` unless this row has it already, then ``j``, which no earlier draw could be)."""
+    succ = torch.empty(vocab, branching, dtype=torch.int64)
+    for k, j in enumerate(range(vocab - branching, vocab)):
+        t = torch.randint(0, j + 1, (vocab,), generator=generator)
+        if k:
+            taken = (succ[:, :k] == t.unsqueeze(1)).any(dim=1)
+            t = torch.where(taken, torch.full_like(t, j), t)
+        succ[:, k] = t
+    return succ
+
+
+def synthetic_sequences(num: int, length: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
+    """``[num, length]`` tokens from a random Markov chain: every token has ``branching`` likely successors.
+
+    Deterministic in ``seed`` (a private generator; global RNG untouched). Held in :func:`synthetic_token_dtype`
+    (int16 for vocabularies up to 32,768): the set-up's memory is the chain (``vocab × branching`` successors and
+    probabilities) plus the tokens made, and its time linear in both — no ``vocab × vocab`` table (earlier versions took
+    every token's successors from the head of a full ``randperm(vocab)``: vocab² × 8 bytes at once, 19 GiB at a
+    vocabulary of 50,304; the chain, and so the sequences of a seed, changed with that fix).
     """
     g = torch.Generator().manual_seed(seed)
-    succ = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])  # [vocab, b]
-    probs = torch.rand(vocab, branching, generator=g, dtype=torch.float64) + 0.1
-    probs /= probs.sum(dim=1, keepdim=True)
-    out = torch.empty(num, length, dtype=torch.int64)
-    out[:, 0] = torch.randint(0, vocab, (num,), generator=g)
-    for t in range(1, length):
-        prev = out[:, t - 1]
-        choice = torch.multinomial(probs[prev], 1, generator=g).squeeze(1)
-        out[:, t] = succ[prev, choice]
+    succ = distinct_successors(vocab, branching, g).view(-1)  # [vocab · b]: token v's successors at v·b ..
+    cum = (torch.rand(vocab, branching, generator=g) + 0.1).cumsum(dim=1)
+    cum /= cum[:, -1:].clone()  # [vocab, b] float32: each row's CDF of its successors, the last column exactly 1
+    out = torch.empty(num, length, dtype=synthetic_token_dtype(vocab))
+    prev = torch.randint(0, vocab, (num,), generator=g)
+    out[:, 0] = prev
+    for t in range(1, length):  # one [num] draw per position: the column of each row's CDF it falls in
+        u = torch.rand(num, 1, generator=g)
+        choice = (cum.index_select(0, prev) < u).sum(dim=1).clamp_(max=branching - 1)
+        prev = succ.index_select(0, prev * branching + choice)
+        out[:, t] = prev
     return out
 
 
