@@ -16,6 +16,8 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "dev": ["pytest>=8"],
         "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard>=2.10"],  # train.tensorboard: event files under the run directory
+        "wandb": ["wandb>=0.17"],  # train.wandb: offline | online
         "data": ["tokenizers>=0.15"],
         "hf": ["safetensors>=0.4"],
         "hf-test": ["safetensors>=0.4", "transformers>=4.45"],

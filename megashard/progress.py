@@ -92,8 +92,10 @@ class ProgressBar(StatusLine):
         self.total, self.start = total, start
         self.log_interval, self.width = max(1, log_interval), width
 
-    def render(self, step: int, loss: float, tokens_per_s: float, elapsed: float) -> str:
-        """The text of the bar for ``step`` (exposed for tests)."""
+    def render(self, step: int, loss: float, tokens_per_s: float, elapsed: float, *, lr: Optional[float] = None,
+               grad_norm: Optional[float] = None, step_time: Optional[float] = None) -> str:
+        """The text of the bar for ``step`` (exposed for tests); ``lr``, ``grad_norm`` and ``step_time`` (seconds of
+        the step) are shown when given."""
         done = step - self.start
         left = self.total - step
         eta = elapsed / done * left if done > 0 else 0.0
@@ -101,18 +103,22 @@ class ProgressBar(StatusLine):
         filled = int(frac * self.width)
         bar = "#" * filled + "." * (self.width - filled)
         digits = len(str(self.total))
-        return (f"step {step:>{digits}}/{self.total} [{bar}] loss {loss:.4f} | {format_rate(tokens_per_s)} tok/s"
-                f" | {format_duration(elapsed)} elapsed, {format_duration(eta)} left")
+        extra = "".join((f" | lr {lr:.2e}" if lr is not None else "",
+                         f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""))
+        pace = f" | {step_time * 1000:.0f} ms/step" if step_time is not None else ""
+        return (f"step {step:>{digits}}/{self.total} [{bar}] loss {loss:.4f}{extra} | {format_rate(tokens_per_s)} "
+                f"tok/s{pace} | {format_duration(elapsed)} elapsed, {format_duration(eta)} left")
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, **shown: Optional[float]) -> None:
+        """After ``step``; ``shown``: the keyword arguments of :meth:`render` (lr, grad_norm, step_time)."""
         if not self.enabled:
             return
         last = step >= self.total
         if self.tty:
             if last or self.due():
-                self.redraw(self.render(step, loss, tokens_per_s, self.elapsed()))
+                self.redraw(self.render(step, loss, tokens_per_s, self.elapsed(), **shown))
         elif last or (step - self.start) % self.log_interval == 0 or step == self.start + 1:
-            self.print(self.render(step, loss, tokens_per_s, self.elapsed()))
+            self.print(self.render(step, loss, tokens_per_s, self.elapsed(), **shown))
 
     def close(self) -> None:
         self.finish()

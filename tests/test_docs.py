@@ -87,8 +87,9 @@ def test_setup_installs_what_the_promised_outputs_need():
     """The README promises a loss curve (matplotlib: the plot extra) and says which torch build comes."""
     setup = (ROOT / "tools" / "setup.sh").read_text(encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert 'pip_ install -e ".[dev,plot,data,hf,hf-test]"' in setup
-    assert "import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, megashard" in setup
+    assert 'pip_ install -e ".[dev,plot,data,hf,hf-test,tensorboard,wandb]"' in setup
+    assert ("import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, tensorboard, wandb, "
+            "megashard") in setup
     assert "https://download.pytorch.org/whl/cpu" in setup and "https://download.pytorch.org/whl/cpu" in readme
     assert "4.7 GB" in setup and "4.7 GB" in readme
     assert "PYTHON=" in readme and "VENV=" in readme

@@ -20,7 +20,8 @@
 #   3. else PyPI, whose Linux x86_64 torch is the CUDA build (~4.7 GB with its nvidia-* packages).
 # Then megashard itself (editable) with the `dev` (pytest), `plot` (matplotlib: loss.png), `data`
 # (tokenizers: BPE tokenizers for `megashard data prepare`), `hf` (safetensors: `megashard ckpt export-hf`,
-# `model.init_from`) and `hf-test` (transformers: the Hugging Face round-trip tests) extras.
+# `model.init_from`), `hf-test` (transformers: the Hugging Face round-trip tests), `tensorboard` and `wandb`
+# (train.tensorboard, train.wandb: the logger tests) extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -71,7 +72,7 @@ pip_() { "$VPY" -m pip -q --disable-pip-version-check "$@"; }
 ready() {
   env -u PYTHONPATH "$VPY" - "$PWD" "$CUDA_TAG" <<'EOF' >/dev/null 2>&1
 import os, sys
-import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, megashard
+import torch, yaml, pytest, matplotlib, tokenizers, safetensors, transformers, tensorboard, wandb, megashard
 assert (2, 11) <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 16)
 assert torch.version.cuda or not sys.argv[2]
 assert os.path.dirname(os.path.dirname(os.path.abspath(megashard.__file__))) == sys.argv[1]  # this checkout
@@ -99,8 +100,9 @@ if ! ready; then
     fi
     rm -f "$VENV/cpu-index.log"
   fi
-  # torch's own dependencies (when it came without them) and megashard with its dev, plot, data, hf, hf-test extras.
-  pip_ install -e ".[dev,plot,data,hf,hf-test]"
+  # torch's own dependencies (when it came without them) and megashard with its dev, plot, data, hf, hf-test,
+  # tensorboard and wandb extras.
+  pip_ install -e ".[dev,plot,data,hf,hf-test,tensorboard,wandb]"
   ready || { say "error: $VENV is incomplete after installing; see the pip output above"; exit 1; }
 fi
 env -u PYTHONPATH "$VPY" - <<'EOF'

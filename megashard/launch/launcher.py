@@ -343,7 +343,11 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False) ->
 
         if ensure_corpus(job.data):  # e.g. configs/text.yaml: tokenize its corpus once, before any worker starts
             check_corpus(job.data, job.model, job.parallel.seed, s.tp)  # validate() let the corpus be missing: check the one just prepared
-    print(_header(plan), file=sys.stderr)
+    header = _header(plan)
+    if not dry_run:  # the start line names the resolved config it writes (below, before torchrun starts)
+        first, sep, rest = header.partition("\n")
+        header = f"{first} (resolved config: {plan.config_path}){sep}{rest}"
+    print(header, file=sys.stderr)
     for note in plan.notes + ([start.finished] if start.finished else []):
         print(f"megashard run: {note}", file=sys.stderr)
     if dry_run:

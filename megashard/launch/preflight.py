@@ -111,18 +111,22 @@ def physical_memory() -> int | None:
 
 
 def check_data_memory(job: JobConfig, ram: int | None) -> None:
-    """ConfigError when every process's copy of the synthetic token data (int64) would take more than half the RAM.
+    """ConfigError when every process's copy of the synthetic token data (int16 or int32:
+    :func:`megashard.train.data.synthetic_token_dtype`) would take more than half the RAM.
 
     Only ``data.source: synthetic`` is held in memory; ``text`` and ``indexed`` data are memory-mapped.
     """
     d, m, n = job.data, job.model, job.launch.nproc_per_node
     if d.source != "synthetic":
         return
+    from megashard.train.data import synthetic_token_dtype
+
+    item = synthetic_token_dtype(m.vocab_size).itemsize
     tokens, what = d.num_sequences * (m.seq_len + 1), f"data.num_sequences={d.num_sequences:,} × (model.seq_len + 1)"
-    need = tokens * 8 * n
+    need = tokens * item * n
     if ram and need > ram // 2:
         raise ConfigError(
-            f"{what} = {tokens:,} tokens of 8 bytes in each of launch.nproc_per_node={n} processes need "
+            f"{what} = {tokens:,} tokens of {item} bytes in each of launch.nproc_per_node={n} processes need "
             f"{need / 2**30:.1f} GiB, more than half of this machine's {ram / 2**30:.1f} GiB of memory; "
             "use less data (e.g. data.num_sequences=4096)"
         )

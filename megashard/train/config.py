@@ -375,7 +375,18 @@ class JobConfig:
                   f"{t.micro_batch_size} are exclusive: give the microbatch count or the sequences per microbatch")
         if t.fail_at_step is not None:
             _need(1 <= t.fail_at_step, f"train.fail_at_step={t.fail_at_step} must be >= 1 or null")
+        from megashard.train.loggers import WANDB_MODES, check_installed
+
+        _need(t.wandb in (False,) + WANDB_MODES, f"train.wandb={t.wandb!r} is not a W&B mode; valid: "
+              f"{', '.join(WANDB_MODES)}")
+        _need(bool(t.wandb_project), "train.wandb_project must not be empty")
+        if t.peak_tflops is not None:
+            _need(t.peak_tflops > 0, f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device) or null")
+        check_installed(self)  # train.tensorboard / train.wandb: the extra is installed (before any process starts)
         _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+        if o.decay_steps is not None:
+            _need(o.decay_steps >= 1, f"optim.decay_steps={o.decay_steps} must be a positive integer (the step at "
+                  "which the decay reaches optim.min_lr) or null (= train.steps of the first run)")
         _need(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
         _need(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r} is not supported; valid: {', '.join(SCHEDULES)}")
         _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")

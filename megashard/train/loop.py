@@ -30,26 +30,13 @@ from megashard.train.build import build, full_gradients, full_parameters
 from megashard.train.clip import clip_grad_norm
 from megashard.train.config import JobConfig
 from megashard.train.result import TrainResult
+from megashard.train.schedule import lr_at
 
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
 __all__ = ["train", "TrainRun", "TrainResult", "clip_grad_norm", "lr_at", "build", "full_parameters", "full_gradients",
            "job_fingerprint"]
-
-
-# ---------------------------------------------------------------------------------------------- schedule
-def lr_at(step: int, job: JobConfig) -> float:
-    """Learning rate of 0-based ``step``: linear warm-up, then cosine/linear decay to ``min_lr`` (or constant)."""
-    o, total = job.optim, job.train.steps
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-    if o.schedule == "linear":
-        return o.lr + (o.min_lr - o.lr) * progress
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -133,10 +120,14 @@ class TrainRun:
         """Join the world and the parallel state. Every rank must run the same job: checked in the first collective,
         before any other group exists."""
         import megashard.state as ms
+        from megashard.train.usage import HostMemory
 
+        self.host_memory = HostMemory.start()  # the baseline of this rank's peak RSS growth: before groups, model, data
         ms.init_distributed(job.parallel)
         agree_on = job_fingerprint(job)
-        self.job = job
+        import dataclasses
+
+        self.job = dataclasses.replace(job)  # a copy: the run resolves its schedule into its own job.optim (resume)
         self.own_state = not ms.is_initialized()
         """True when this run made the parallel state (and so destroys it at the end)."""
         if self.own_state:
@@ -150,6 +141,7 @@ class TrainRun:
         self.lock: Any = None  # rank 0's hold on the checkpoint directory
         self.saver: Any = None  # checkpoint.async: the background saver
         self.doc: Any = None  # the hang doctor this run enabled
+        self.loggers: Any = None  # rank 0's TensorBoard / W&B
         self.finished = False
 
     def start(self) -> None:
@@ -199,26 +191,45 @@ class TrainRun:
         found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
                                                       run_id=(before or {}).get("run_id"))
         self.change: Any = None
+        if self.rank == 0 and before is not None:  # a restart or a new world: nodes, world and layout, steps redone
+            self.change = self.world.compare(job, before, start)
+            for line in self.change.lines():  # none for a restart in the same world (torchrun's line said it)
+                print(line, file=sys.stderr, flush=True)
+        # The learning-rate schedule: the checkpoint's unless optim.override_schedule (every rank reads the same record)
+        from megashard.train.schedule import Schedule, resume_schedule
+        from megashard.train.startpoint import read_record
+
+        record = read_record(found) if found is not None else None
+        lr_schedule, schedule_line = resume_schedule(job, record, start) if found is not None else (Schedule.of(job), None)
+        lr_schedule.apply(job)  # decay_steps resolved: what this run's checkpoints record
         if self.rank == 0:
-            if before is not None:  # a restart or a new world: nodes, world and layout, then the steps redone
-                self.change = self.world.compare(job, before, start)
-                for line in self.change.lines():  # none for a restart in the same world (torchrun's line said it)
-                    print(line, file=sys.stderr, flush=True)
             redone = self.change.redone_text() if self.change is not None else ""
             if found is not None:
-                from megashard.train.startpoint import read_record, resumed_line
+                from megashard.train.startpoint import resumed_line
 
-                print(resumed_line(job, found, start, read_record(found), sizes) + redone, file=sys.stderr, flush=True)
+                print(resumed_line(job, found, start, record, sizes) + redone, file=sys.stderr, flush=True)
             elif self.change is not None:
                 print(f"megashard run: started from step 0 (no checkpoint yet){redone}", file=sys.stderr, flush=True)
+            if schedule_line:
+                print(schedule_line, file=sys.stderr, flush=True)
             self.world.write(job, self.run_id, start)
         self.data = Batches(job.data, job.model, t.global_batch, job.parallel.seed, dp_rank=state.rank_in("dp"),
                             dp_size=sizes.dp, cp_rank=state.rank_in("cp"), cp_size=sizes.cp,
                             device=current_device(state.device_type))
         out_dir = job.out_dir
+        from megashard.train.usage import device_peak, model_flops_per_token, model_params, parameter_count
+
+        params = model_params(self.model, state)  # a collective of the pp group when pp > 1
+        self.result_params, self.flops_per_token = parameter_count(params), model_flops_per_token(params, job)
         self.writer: Any = None
+        self.peak: Any = None
         if self.rank == 0:
-            self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
+            from megashard.train.loggers import Loggers
+
+            self.peak = device_peak(job, current_device(state.device_type))  # the denominator of MFU (CPU: measured)
+            self.loggers = Loggers(job, start)
+            self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start,
+                                        loggers=self.loggers if self.loggers.active else None)
         self.bar = ProgressBar(t.steps, start, enabled=t.progress and self.rank == 0, log_interval=t.log_interval)
         self.params = list(self.model.parameters())
         self.pipe: Any = None
@@ -228,7 +239,8 @@ class TrainRun:
             self.pipe = Pipeline(job, state, self.model)
         self.microbatches = job.microbatches(sizes.pp, sizes.dp)
         self.tokens_per_step = t.global_batch * job.model.seq_len
-        self.result = TrainResult(start_step=start, final_step=start, out_dir=out_dir)
+        self.result = TrainResult(start_step=start, final_step=start, out_dir=out_dir, parameters=self.result_params,
+                                  model_flops_per_token=self.flops_per_token)
         if job.checkpoint.async_save:  # checkpoint.async: written in the background, one save in flight
             from megashard.checkpoint.async_save import AsyncSaver
 
@@ -276,10 +288,13 @@ class TrainRun:
         dt = time.perf_counter() - t0
         done = step + 1
         result.losses[done], result.grad_norms[done], result.final_step = gloss, norm_f, done
-        tokens = self.tokens_per_step
+        tokens, world = self.tokens_per_step, self.world.world_size
         record = {"step": done, "loss": gloss, "lr": lr, "grad_norm": norm_f, "tokens": tokens,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, "time": time.time(),
-                  "world_size": self.world.world_size}
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, "time": time.time(), "world_size": world,
+                  "tokens_per_s_per_device": tokens / dt / world,
+                  "model_tflops_per_device": self.flops_per_token * tokens / dt / world / 1e12}
+        if self.peak is not None and self.peak.tflops:
+            record["mfu"] = record["model_tflops_per_device"] / self.peak.tflops
         if self.change is not None and done == result.start_step + 1:  # the first step after a restart or a change
             record["world_change"] = self.change.record(record["time"], dt)
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
@@ -292,7 +307,8 @@ class TrainRun:
             if self.doc is not None and self.doc.straggler_report is not None:  # rank 0's doctor compares the waits
                 record["stragglers"] = self.doc.straggler_report
             self.writer.write(record)
-        self.bar.update(done, gloss, tokens * (done - result.start_step) / (time.perf_counter() - self.t_start))
+        self.bar.update(done, gloss, tokens * (done - result.start_step) / (time.perf_counter() - self.t_start),
+                        lr=lr, grad_norm=norm_f, step_time=dt)
         if t.fail_at_step == done and self.rank == t.fail_rank and _restart_count() == 0:
             self.bar.close()
             print(f"\nmegashard run: rank {self.rank}: injected failure after step {done} (train.fail_at_step)",
@@ -312,7 +328,16 @@ class TrainRun:
                             consumed_samples=done * job.train.global_batch, keep=job.checkpoint.keep,
                             job=job.to_dict(), saver=self.saver, run_id=self.run_id)
             self.schedule.saved()
-            self.result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
+            blocked = self.result.checkpoint_blocked_s[done] = time.perf_counter() - t_save
+            if self.rank == 0:
+                from megashard.checkpoint.safety import checkpoint_dirname
+                from megashard.train.startpoint import _short
+
+                self.bar.finish()  # a line of its own below the bar
+                path = _short(os.path.join(job.checkpoint_dir, checkpoint_dirname(done)))
+                how = (f"staged in {blocked:.1f} s, written in the background" if self.saver is not None
+                       else f"{blocked:.1f} s")
+                print(f"megashard run: step {done}: checkpoint {path} ({how})", file=sys.stderr, flush=True)
 
     def end(self, on_end: Optional[Callable[[torch.nn.Module, ParallelState], None]] = None) -> TrainResult:
         """After the last step: the last background save waited for, the throughput, ``on_end``, rank 0's report,
@@ -332,8 +357,14 @@ class TrainRun:
                                if steps_run and result.seconds > 0 else 0.0)
         if on_end is not None:
             on_end(self.model, self.state)
+        self._usage()  # every rank: its memory peaks, gathered
         if self.writer is not None:
             self.writer.close()
+            from megashard.train.metrics import write_summary
+
+            write_summary(self.job, result)
+            if self.loggers is not None:
+                self.loggers.summary(result.usage, result.final_step)
             print_summary(self.job, result, read_metrics(self.writer.path))
             self.world.write(self.job, self.run_id, result.final_step, ended=True)  # the next start is a new launch
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
@@ -342,9 +373,38 @@ class TrainRun:
         self.finished = True
         return result
 
+    def _usage(self) -> None:
+        """The end summary's numbers in ``result.usage`` on every rank: throughput per device, model TFLOP/s and MFU,
+        and every rank's peak host RSS growth and device memory (one all_gather_object on the default group)."""
+        from megashard.train.usage import device_memory_peak
+
+        result, world = self.result, self.world.world_size
+        mine = {"host_peak_rss_growth": self.host_memory.peak_growth(), "host_peak_rss": self.host_memory.peak(),
+                "device": device_memory_peak(current_device(self.state.device_type))}
+        every: list[Any] = [None] * dist.get_world_size()
+        if dist.get_world_size() > 1:
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        per_device = result.tokens_per_s / world
+        tflops = self.flops_per_token * per_device / 1e12
+        peak = self.peak
+        result.usage = {
+            "parameters": result.parameters, "model_flops_per_token": self.flops_per_token, "devices": world,
+            "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_device": per_device,
+            "model_tflops_per_device": tflops,
+            "peak_tflops_per_device": peak.tflops if peak is not None else None,
+            "peak_source": peak.source if peak is not None else None,
+            "mfu": tflops / peak.tflops if peak is not None and peak.tflops else None,
+            "host_peak_rss_growth_bytes": [e["host_peak_rss_growth"] for e in every],
+            "host_peak_rss_bytes": [e["host_peak_rss"] for e in every],
+            "device_peak_allocated_bytes": [e["device"]["allocated"] for e in every] if mine["device"] else None,
+            "device_peak_reserved_bytes": [e["device"]["reserved"] for e in every] if mine["device"] else None,
+        }
+
     def close(self) -> None:
         """Let go of what the run holds, in this order: the hang doctor, a background save in flight (after an
-        error), the checkpoint directory's lock, the parallel state this run made."""
+        error), the checkpoint directory's lock, rank 0's loggers, the parallel state this run made."""
         if self.doc is not None:  # first: its file, and torch's functions back before the groups go
             import megashard.doctor
 
@@ -356,6 +416,9 @@ class TrainRun:
                 print(f"megashard run: rank {self.rank}: {e}", file=sys.stderr, flush=True)
         if self.lock is not None:
             self.lock.release()
+        if self.loggers is not None:
+            loggers, self.loggers = self.loggers, None
+            loggers.close(ok=self.finished)
         if self.own_state:
             import megashard.state as ms
 

@@ -21,10 +21,15 @@ if TYPE_CHECKING:
 
 
 class MetricsWriter:
-    """Append-only JSON-lines writer (rank 0 only). ``resume_step`` truncates later steps first."""
+    """Append-only JSON-lines writer (rank 0 only). ``resume_step`` truncates later steps first.
 
-    def __init__(self, path: str, resume_step: int = 0) -> None:
+    :meth:`write` is the one function through which a step record goes out: to ``metrics.jsonl`` and to the run's
+    experiment loggers (``loggers``: a :class:`megashard.train.loggers.Loggers`, TensorBoard and W&B), so every path
+    that records a step (the loop, a world change) reaches all of them alike."""
+
+    def __init__(self, path: str, resume_step: int = 0, loggers: Any = None) -> None:
         self.path = path
+        self.loggers = loggers
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         keep = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step else []
         with open(path, "w", encoding="utf-8") as f:
@@ -35,6 +40,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self.loggers is not None:
+            self.loggers.log(record)
 
     def close(self) -> None:
         self._f.close()
@@ -106,8 +113,56 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     return None
 
 
+def write_summary(job: JobConfig, result: TrainResult) -> str:
+    """``<out_dir>/summary.json``: the run's end summary (``result.usage``: throughput, model TFLOP/s, MFU and its
+    peak, per-rank memory peaks) with its steps and final loss. Returns its path."""
+    from megashard.outputs import temp_path
+
+    path = os.path.join(result.out_dir, "summary.json")
+    doc = {"job": job.name, "start_step": result.start_step, "final_step": result.final_step,
+           "loss": result.losses.get(result.final_step), "valid_loss": result.valid_losses.get(result.final_step),
+           "seconds": result.seconds, **result.usage}
+    tmp = temp_path(path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def usage_lines(usage: dict[str, Any]) -> list[str]:
+    """The summary's lines of throughput, model size and memory per rank (from ``TrainResult.usage``)."""
+    if not usage:
+        return []
+    out = []
+    mfu = usage.get("mfu")
+    peak = (f", MFU {mfu:.1%} of {usage['peak_tflops_per_device']:.3g} TFLOP/s ({usage['peak_source']})"
+            if mfu is not None else f", MFU unknown ({usage.get('peak_source')})" if usage.get("peak_source") else "")
+    out.append(f"  per device: {usage['tokens_per_s_per_device']:,.0f} tokens/s, model "
+               f"{usage['model_tflops_per_device']:.3g} TFLOP/s{peak}")
+    out.append(f"  model: {usage['parameters']:,} parameters, {usage['model_flops_per_token'] / 1e6:,.2f} MFLOP per "
+               "token (forward and backward)")
+    growth = usage.get("host_peak_rss_growth_bytes") or []
+    if growth:
+        top = max(range(len(growth)), key=lambda r: growth[r])
+        each = ", ".join(_mib(g) for g in growth) if len(growth) <= 8 else f"{_mib(min(growth))} to {_mib(growth[top])}"
+        line = (f"  peak memory per rank: host RSS +{_mib(growth[top])} (rank {top}; ranks 0..{len(growth) - 1}: "
+                f"{each})")
+        dev = usage.get("device_peak_allocated_bytes")
+        if dev:
+            d = max(range(len(dev)), key=lambda r: dev[r])
+            line += (f"; device {_mib(dev[d])} allocated, {_mib(usage['device_peak_reserved_bytes'][d])} reserved "
+                     f"(rank {d})")
+        out.append(line)
+    return out
+
+
 def print_summary(job: JobConfig, result: TrainResult, records: list[dict[str, Any]]) -> None:
-    """Rank 0's summary at the end: final loss, throughput, outputs, the loss plot."""
+    """Rank 0's summary at the end: final loss, throughput per device and MFU, model size, memory per rank,
+    outputs, the loss plot."""
     out = result.out_dir
     msg = [f"megashard run: {job.name}: "]
     if result.final_step == result.start_step:
@@ -118,7 +173,8 @@ def print_summary(job: JobConfig, result: TrainResult, records: list[dict[str, A
         msg.append(f"step {result.final_step}, loss {result.losses[result.final_step]:.4f}, "
                    + (f"validation loss {valid:.4f}, " if valid is not None else "") +
                    f"{result.tokens_per_s:,.0f} tokens/s over {result.seconds:.1f} s")
-    lines = ["".join(msg), f"  metrics: {os.path.join(out, 'metrics.jsonl')}"]
+    lines = ["".join(msg)] + (usage_lines(result.usage) if result.final_step != result.start_step else [])
+    lines.append(f"  metrics: {os.path.join(out, 'metrics.jsonl')} (summary: {os.path.join(out, 'summary.json')})")
     changes = [r["world_change"] for r in records if isinstance(r.get("world_change"), dict)]
     if changes:  # restarts and world changes of this run: the work they cost (details per change in metrics.jsonl)
         down = sum(c.get("seconds_down") or 0.0 for c in changes) + sum(c.get("seconds_redone") or 0.0 for c in changes)

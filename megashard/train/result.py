@@ -31,3 +31,10 @@ class TrainResult:
     the previous background save if it still ran)."""
     checkpoint_end_wait_s: float = 0.0
     """``checkpoint.async``: seconds the end of training waited for the last background save."""
+    parameters: int = 0
+    """Parameters of the whole model (every expert counted)."""
+    model_flops_per_token: float = 0.0
+    """Model FLOPs of one token's forward and backward (:mod:`megashard.train.usage`)."""
+    usage: dict = field(default_factory=dict)
+    """The end summary's numbers (what ``<out_dir>/summary.json`` holds): throughput per device, model TFLOP/s,
+    MFU and its peak, and per rank (lists in rank order) the peak host RSS growth and the device memory peaks."""

@@ -43,6 +43,20 @@ class TrainConfig:
     """Show the progress bar on rank 0 (stderr)."""
     plot: bool = True
     """Write loss.png at the end (needs matplotlib: ``pip install 'megashard[plot]'``; skipped with a note otherwise)."""
+    tensorboard: bool = False
+    """Log every metric (loss, lr, grad norm, throughput, MFU, validation loss, world changes, the end summary) as
+    TensorBoard events under ``<out_dir>/tensorboard/``; a resumed run goes on in the same log (``purge_step``). Needs
+    ``pip install 'megashard[tensorboard]'`` (checked before any process starts)."""
+    wandb: Union[bool, str] = "off"
+    """Log the same metrics to Weights & Biases: ``off``, ``offline`` (files under ``<out_dir>/wandb/``, upload later
+    with ``wandb sync``) or ``online`` (needs a login and network). The run id is kept in ``<out_dir>/wandb.json``, so
+    every start of the job resumes the same W&B run. Needs ``pip install 'megashard[wandb]'``."""
+    wandb_project: str = "megashard"
+    """The W&B project of ``train.wandb``."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device for ``train.dtype``: the denominator of the MFU the job reports. ``null`` = a
+    table of GPUs (H100, H200, A100, B200, ...: bf16 dense; float32 without TF32), or on CPU a matmul measured at the
+    start; a GPU not in the table reports no MFU."""
     resume: bool = True
     """Resume from the newest complete checkpoint in ``checkpoint.dir`` when there is one."""
     eval_interval: int = 0
@@ -99,6 +113,15 @@ class OptimConfig:
     """Linear warm-up steps from 0 to ``lr``."""
     schedule: str = "cosine"
     """Decay after warm-up: cosine, linear or constant."""
+    decay_steps: Optional[int] = None
+    """The step at which the decay reaches ``min_lr`` (counted from step 0, warm-up included; Megatron-LM's
+    ``--lr-decay-iters``); after it the learning rate stays at ``min_lr``. ``null`` = the ``train.steps`` of the run
+    that starts the job from scratch. Every checkpoint records the resolved value, so a resume with a larger
+    ``train.steps`` goes on at ``min_lr`` instead of stretching the decay."""
+    override_schedule: bool = False
+    """A resumed run keeps the learning-rate schedule its checkpoint records (``schedule``, ``lr``, ``min_lr``,
+    ``warmup_steps``, ``decay_steps``) and says so in one line when this config's differs; ``true`` takes this
+    config's instead (Megatron-LM's ``--override-opt_param-scheduler``), also said in one line."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay of parameters with 2 or more dims (biases and norms are not decayed)."""
     beta1: float = 0.9
