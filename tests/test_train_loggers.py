@@ -132,7 +132,7 @@ def test_the_launch_says_what_it_wrote_and_what_it_used(launches):
     assert (f"megashard run: default: 4 processes (1 node(s) × 4), tp=2, dp_shard=2, 16 steps → {out} (resolved "
             f"config: {out}/config.yaml)\n") in err, err
     bar = [ln for ln in err.splitlines() if ln.startswith("step 16/16 [")]
-    assert len(bar) == 1 and " | lr 3.00e-03 | grad norm " in bar[0] and " ms/step | " in bar[0], bar
+    assert len(bar) == 1 and " | lr 2.40e-03 | grad norm " in bar[0] and " ms/step | " in bar[0], bar
     assert f"megashard run: step 16: checkpoint {out}/checkpoints/step_00000016 (" in err
     assert err.count(": checkpoint ") == 1 and f"megashard run: step 4: checkpoint {out}/" in first.stderr
     with open(os.path.join(out, "summary.json")) as f:
