@@ -329,6 +329,26 @@ class JobConfig:
         """Every check of :meth:`validate` that needs no world size (what ``megashard plan`` checks of a job)."""
         self._validate_sections()
 
+    def _validate_loggers(self) -> None:
+        """train.tensorboard, train.wandb (a mode, its package installed: before any process starts), peak_tflops."""
+        import importlib.util
+
+        from megashard.train.sections import WANDB_MODES
+
+        t = self.train
+        _need(t.wandb in (False,) + WANDB_MODES, f"train.wandb={t.wandb!r} is not a W&B mode; valid: "
+              f"{', '.join(WANDB_MODES)}")
+        _need(bool(t.wandb_project), "train.wandb_project must not be empty")
+        if t.peak_tflops is not None:
+            _need(t.peak_tflops > 0, f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device) or null")
+        _need(not t.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+              "train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
+              "'megashard[tensorboard]' (or pip install tensorboard), or set train.tensorboard=false")
+        mode = "off" if t.wandb is False else t.wandb
+        _need(mode == "off" or importlib.util.find_spec("wandb") is not None,
+              f"train.wandb={mode} needs the wandb package, which is not installed: pip install 'megashard[wandb]' "
+              "(or pip install wandb), or set train.wandb=off")
+
     def _validate_sections(self) -> None:
         m, t, o, d, c, la = self.model, self.train, self.optim, self.data, self.checkpoint, self.launch
         for where, v in (("model.vocab_size", m.vocab_size), ("model.seq_len", m.seq_len), ("model.hidden", m.hidden),
@@ -375,14 +395,7 @@ class JobConfig:
                   f"{t.micro_batch_size} are exclusive: give the microbatch count or the sequences per microbatch")
         if t.fail_at_step is not None:
             _need(1 <= t.fail_at_step, f"train.fail_at_step={t.fail_at_step} must be >= 1 or null")
-        from megashard.train.loggers import WANDB_MODES, check_installed
-
-        _need(t.wandb in (False,) + WANDB_MODES, f"train.wandb={t.wandb!r} is not a W&B mode; valid: "
-              f"{', '.join(WANDB_MODES)}")
-        _need(bool(t.wandb_project), "train.wandb_project must not be empty")
-        if t.peak_tflops is not None:
-            _need(t.peak_tflops > 0, f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device) or null")
-        check_installed(self)  # train.tensorboard / train.wandb: the extra is installed (before any process starts)
+        self._validate_loggers()
         _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
         if o.decay_steps is not None:
             _need(o.decay_steps >= 1, f"optim.decay_steps={o.decay_steps} must be a positive integer (the step at "

@@ -1,7 +1,7 @@
 """Rank 0's experiment loggers: TensorBoard (``train.tensorboard``) and Weights & Biases (``train.wandb``).
 
 Both are optional extras (``pip install 'megashard[tensorboard]'``, ``'megashard[wandb]'``); a job that asks for one
-that is not installed stops before any process starts, naming what to install (:func:`check_installed`).
+that is not installed stops before any process starts, naming what to install (``JobConfig.validate``).
 
 Every record of ``metrics.jsonl`` goes to both through :meth:`megashard.train.metrics.MetricsWriter.write` — the one
 function every path that writes a step record calls, the loop and the elastic path alike —, so what the job computes
@@ -17,7 +17,6 @@ W&B's run id is kept in ``<out_dir>/wandb.json`` and every later start of the jo
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from typing import TYPE_CHECKING, Any, Optional
@@ -25,28 +24,15 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from megashard.train.config import JobConfig
 
-__all__ = ["Loggers", "check_installed", "WANDB_MODES", "scalars_of"]
+from megashard.train.sections import WANDB_MODES
 
-WANDB_MODES = ("off", "offline", "online")
+__all__ = ["Loggers", "WANDB_MODES", "scalars_of", "wandb_mode", "read_wandb_id"]
 
 #: metrics.jsonl key → logger tag.
 _TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "step_time_s": "train/step_time_s",
          "tokens_per_s": "train/tokens_per_s", "tokens_per_s_per_device": "train/tokens_per_s_per_device",
          "model_tflops_per_device": "train/model_tflops_per_device", "mfu": "train/mfu", "world_size": "world/size",
          "valid_loss": "valid/loss"}
-
-
-def check_installed(job: "JobConfig") -> None:
-    """ConfigError (one line) when ``train.tensorboard`` or ``train.wandb`` asks for a package that is not installed."""
-    from megashard.errors import ConfigError
-
-    t = job.train
-    if t.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("train.tensorboard=true needs the tensorboard package, which is not installed: pip install "
-                          "'megashard[tensorboard]' (or pip install tensorboard), or set train.tensorboard=false")
-    if wandb_mode(job) != "off" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"train.wandb={wandb_mode(job)} needs the wandb package, which is not installed: pip install "
-                          "'megashard[wandb]' (or pip install wandb), or set train.wandb=off")
 
 
 def wandb_mode(job: "JobConfig") -> str:

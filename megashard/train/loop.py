@@ -357,7 +357,10 @@ class TrainRun:
                                if steps_run and result.seconds > 0 else 0.0)
         if on_end is not None:
             on_end(self.model, self.state)
-        self._usage()  # every rank: its memory peaks, gathered
+        from megashard.train.usage import gather_usage
+
+        result.usage = gather_usage(result, self.flops_per_token, self.world.world_size, self.peak, self.host_memory,
+                                    current_device(self.state.device_type))  # collective: every rank's memory peaks
         if self.writer is not None:
             self.writer.close()
             from megashard.train.metrics import write_summary
@@ -372,35 +375,6 @@ class TrainRun:
         _final_barrier(self.job.parallel.timeout)
         self.finished = True
         return result
-
-    def _usage(self) -> None:
-        """The end summary's numbers in ``result.usage`` on every rank: throughput per device, model TFLOP/s and MFU,
-        and every rank's peak host RSS growth and device memory (one all_gather_object on the default group)."""
-        from megashard.train.usage import device_memory_peak
-
-        result, world = self.result, self.world.world_size
-        mine = {"host_peak_rss_growth": self.host_memory.peak_growth(), "host_peak_rss": self.host_memory.peak(),
-                "device": device_memory_peak(current_device(self.state.device_type))}
-        every: list[Any] = [None] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(every, mine)
-        else:
-            every = [mine]
-        per_device = result.tokens_per_s / world
-        tflops = self.flops_per_token * per_device / 1e12
-        peak = self.peak
-        result.usage = {
-            "parameters": result.parameters, "model_flops_per_token": self.flops_per_token, "devices": world,
-            "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_device": per_device,
-            "model_tflops_per_device": tflops,
-            "peak_tflops_per_device": peak.tflops if peak is not None else None,
-            "peak_source": peak.source if peak is not None else None,
-            "mfu": tflops / peak.tflops if peak is not None and peak.tflops else None,
-            "host_peak_rss_growth_bytes": [e["host_peak_rss_growth"] for e in every],
-            "host_peak_rss_bytes": [e["host_peak_rss"] for e in every],
-            "device_peak_allocated_bytes": [e["device"]["allocated"] for e in every] if mine["device"] else None,
-            "device_peak_reserved_bytes": [e["device"]["reserved"] for e in every] if mine["device"] else None,
-        }
 
     def close(self) -> None:
         """Let go of what the run holds, in this order: the hang doctor, a background save in flight (after an

@@ -22,6 +22,8 @@ SOURCES = ("synthetic", "text", "indexed")
 FLAT_DTYPES = ("uint8", "int8", "int16", "uint16", "int32", "int64")
 SCHEDULES = ("cosine", "linear", "constant")
 UNFILLABLE_WORLD = ("wait", "stop")
+#: ``train.wandb``: no W&B, files to sync later, or live (YAML reads a bare ``off`` as false: the same).
+WANDB_MODES = ("off", "offline", "online")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
 

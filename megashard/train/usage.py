@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from megashard.train.config import JobConfig
 
 __all__ = ["GPU_PEAK_TFLOPS", "PeakFlops", "model_params", "model_flops_per_token", "parameter_count", "device_peak",
-           "HostMemory", "device_memory_peak"]
+           "HostMemory", "device_memory_peak", "gather_usage"]
 
 #: Dense peak TFLOP/s per GPU (vendor data sheets, no sparsity): ``{name substring: (bf16, fp32 without TF32)}``;
 #: matched against ``torch.cuda.get_device_name()`` in this order (the first substring found wins).
@@ -218,6 +218,28 @@ def _maxrss() -> int:
     return int(r) if sys.platform == "darwin" else int(r) * 1024  # macOS: bytes, Linux: kB
 
 
-def gib(n: float) -> str:
-    """``1.5 GiB`` / ``350 MiB``."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+def gather_usage(result: Any, flops_per_token: float, world: int, peak: Optional[PeakFlops], host: HostMemory,
+                 device: torch.device) -> dict[str, Any]:
+    """The end summary's numbers (``TrainResult.usage``, ``summary.json``), on every rank: throughput per device, model
+    TFLOP/s and MFU (``peak``: rank 0's, None elsewhere), and every rank's peak host RSS growth and device memory
+    peaks in rank order (one all_gather_object on the default group: a collective)."""
+    import torch.distributed as dist
+
+    mine = {"growth": host.peak_growth(), "peak": host.peak(), "device": device_memory_peak(device)}
+    every: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    per_device = result.tokens_per_s / world
+    tflops = flops_per_token * per_device / 1e12
+    return {
+        "parameters": result.parameters, "model_flops_per_token": flops_per_token, "devices": world,
+        "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_device": per_device, "model_tflops_per_device": tflops,
+        "peak_tflops_per_device": peak.tflops if peak is not None else None,
+        "peak_source": peak.source if peak is not None else None,
+        "mfu": tflops / peak.tflops if peak is not None and peak.tflops else None,
+        "host_peak_rss_growth_bytes": [e["growth"] for e in every],
+        "host_peak_rss_bytes": [e["peak"] for e in every],
+        "device_peak_allocated_bytes": [e["device"]["allocated"] for e in every] if mine["device"] else None,
+        "device_peak_reserved_bytes": [e["device"]["reserved"] for e in every] if mine["device"] else None,
+    }
