@@ -272,18 +272,19 @@ def param_init_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _local_slice(full: torch.Tensor, p: torch.Tensor, groups: ModelGroups) -> torch.Tensor:
-    """This rank's part of ``full``: the expert slice (dim 0 over ep, then the ffn dim over expt_tp), then the TP
-    slice (partition dim over tp)."""
+def _slice_cuts(p: torch.Tensor, groups: ModelGroups) -> list[tuple[int, int, int]]:
+    """``[(dim, n, r), ...]``: this rank's part of the full tensor as successive ``chunk(n, dim)[r]``: the expert slice
+    (dim 0 over ep, then the ffn dim over expt_tp), then the TP slice (partition dim over tp)."""
+    cuts = []
     if getattr(p, "_expert_parallel", False):
-        full = full.chunk(group_size(groups.ep), dim=0)[group_rank(groups.ep)]
+        cuts.append((0, group_size(groups.ep), group_rank(groups.ep)))
         etp_dim = getattr(p, "_expert_tp_dim", None)
         if etp_dim is not None:
-            full = full.chunk(group_size(groups.expt_tp), dim=etp_dim)[group_rank(groups.expt_tp)]
+            cuts.append((etp_dim, group_size(groups.expt_tp), group_rank(groups.expt_tp)))
     dim = get_mcore_tensor_parallel_partition_dim(p)
     if dim is not None:
-        full = full.chunk(group_size(groups.tp), dim=dim)[group_rank(groups.tp)]
-    return full
+        cuts.append((dim, group_size(groups.tp), group_rank(groups.tp)))
+    return cuts
 
 
 @torch.no_grad()
@@ -291,19 +292,23 @@ def init_parameters(model: nn.Module, seed: int, groups: Optional[ModelGroups] =
     """Initialise every parameter so that the *global* model depends on ``seed`` only, not on the layout.
 
     For each parameter the full tensor (its ``_global_shape``) is drawn in float64 from a private
-    generator seeded by :func:`param_init_seed`, then this rank's expert/TP slice is copied in. Call
-    before ``fully_shard``. Peak extra memory: one full parameter.
+    generator seeded by :func:`param_init_seed`, and this rank's expert/TP slice is copied in. Call
+    before ``fully_shard``. The full tensor is drawn in row blocks (:func:`megashard.models.init_slices.local_normal`:
+    the same values), so the peak extra memory is this rank's slice plus one block of 8 MiB, not a full parameter.
     """
+    from megashard.models.init_slices import local_normal, slice_ranges
+
     groups = groups or getattr(model, "groups", None) or ModelGroups()
     for name, p in _named_params(model):
         kind, std = getattr(p, "_init", ("normal", 0.02))
         shape = getattr(p, "_global_shape", tuple(p.shape))
+        cuts = _slice_cuts(p, groups)
         if kind == "normal":
             g = torch.Generator().manual_seed(param_init_seed(seed, name))
-            full = torch.empty(shape, dtype=torch.float64).normal_(0.0, std, generator=g)
+            local = local_normal(shape, cuts, std, g)
         else:
-            full = (torch.zeros if kind == "zeros" else torch.ones)(shape, dtype=torch.float64)
-        local = _local_slice(full, p, groups)
+            local = (torch.zeros if kind == "zeros" else torch.ones)([b - a for a, b in slice_ranges(shape, cuts)],
+                                                                     dtype=torch.float64)
         if tuple(local.shape) != tuple(p.shape):
             raise RuntimeError(f"{name}: local slice {tuple(local.shape)} of global {shape} does not fit {tuple(p.shape)}")
         p.copy_(local.to(dtype=p.dtype))
