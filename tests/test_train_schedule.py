@@ -131,6 +131,14 @@ def test_a_longer_resume_keeps_the_stored_schedule_and_says_so(runs):
         "decay to step 200): this config would change it (optim.decay_steps: 200 in the checkpoint, 400 here "
         "(train.steps)); lr at step 201: 0.0003 (0.001761 with this config's: add optim.override_schedule=true to "
         "take it)"], err
+    # the launcher's line for the finished first run says where the learning rate goes on
+    from megashard.train.config import JobConfig
+    from megashard.train.startpoint import find_start
+
+    done = find_start(JobConfig.from_yaml(DEFAULT, TINY + [f"train.out_dir={tmp}/first", "train.steps=200"]))
+    assert done.finished.endswith("raise train.steps to train on (at lr 0.0003: the checkpoint's schedule decayed "
+                                  "until optim.decay_steps=200; optim.override_schedule=true decays again over the "
+                                  "new length)"), done.finished
     # what the resumed run's checkpoint records: the resolved schedule, so a third run keeps it too
     assert _recorded_optim(tmp, "kept", 400)["decay_steps"] == 200
     assert _recorded_optim(tmp, "first", 200)["decay_steps"] == 200

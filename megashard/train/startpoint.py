@@ -213,8 +213,19 @@ def find_start(job: "JobConfig") -> Start:
     start = Start(path, step)
     if step >= job.train.steps:
         start.finished = (f"nothing to do, already at step {step} of {job.train.steps} ({_short(path)}); raise "
-                          "train.steps to train on")
+                          f"train.steps to train on{_schedule_after(record, step)}")
     return start
+
+
+def _schedule_after(record: Optional[dict], step: int) -> str:
+    """What the learning rate does after ``step`` when a resume keeps the checkpoint's schedule (its decay is over)."""
+    from megashard.train.schedule import Schedule
+
+    sched = Schedule.recorded(record)
+    if sched is None or sched.schedule == "constant" or step < max(sched.decay_steps, sched.warmup_steps):
+        return ""
+    return (f" (at lr {sched.at(step):g}: the checkpoint's schedule decayed until optim.decay_steps={sched.decay_steps}; "
+            "optim.override_schedule=true decays again over the new length)")
 
 
 def _newest(root: str) -> Optional[str]:
