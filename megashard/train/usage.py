@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from megashard.train.config import JobConfig
 
 __all__ = ["GPU_PEAK_TFLOPS", "PeakFlops", "model_params", "model_flops_per_token", "parameter_count", "device_peak",
-           "HostMemory", "device_memory_peak", "gather_usage"]
+           "gpu_peak", "HostMemory", "device_memory_peak", "gather_usage"]
 
 #: Dense peak TFLOP/s per GPU (vendor data sheets, no sparsity): ``{name substring: (bf16, fp32 without TF32)}``;
 #: matched against ``torch.cuda.get_device_name()`` in this order (the first substring found wins).
@@ -129,20 +129,24 @@ def device_peak(job: "JobConfig", device: torch.device) -> PeakFlops:
     if t.peak_tflops is not None:
         return PeakFlops(float(t.peak_tflops), f"train.peak_tflops={t.peak_tflops:g}")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (bf16, fp32) in GPU_PEAK_TFLOPS:
-            if key in name:
-                if t.dtype == "bfloat16":
-                    return PeakFlops(bf16, f"{name}, bf16 dense peak (table)")
-                if t.dtype == "float32":
-                    return PeakFlops(fp32, f"{name}, fp32 peak without TF32 (table)")
-                return PeakFlops(None, f"{name}: no {t.dtype} peak in the table (set train.peak_tflops)")
-        return PeakFlops(None, f"{name}: not in megashard's table (set train.peak_tflops)")
+        return gpu_peak(torch.cuda.get_device_name(device), t.dtype)
     if device.type == "cpu":
         tflops = measure_matmul_tflops(_DTYPES[t.dtype])
         return PeakFlops(tflops, f"CPU, {t.dtype} matmul measured at the start ({torch.get_num_threads()} "
                                  "thread(s) per process)")
     return PeakFlops(None, f"{device.type}: no peak known (set train.peak_tflops)")
+
+
+def gpu_peak(name: str, dtype: str) -> PeakFlops:
+    """The peak of the GPU ``name`` (``torch.cuda.get_device_name``) for ``train.dtype`` from :data:`GPU_PEAK_TFLOPS`."""
+    for key, (bf16, fp32) in GPU_PEAK_TFLOPS:
+        if key in name:
+            if dtype == "bfloat16":
+                return PeakFlops(bf16, f"{name}, bf16 dense peak (table)")
+            if dtype == "float32":
+                return PeakFlops(fp32, f"{name}, fp32 peak without TF32 (table)")
+            return PeakFlops(None, f"{name}: no {dtype} peak in the table (set train.peak_tflops)")
+    return PeakFlops(None, f"{name}: not in megashard's table (set train.peak_tflops)")
 
 
 def measure_matmul_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.2) -> float:
