@@ -18,8 +18,11 @@ def add(sub: argparse._SubParsersAction) -> None:
             "process, then start the job with PyTorch's elastic launcher (python -m megashard.launch.agent: "
             "torch.distributed.run with one-line failure reports; it and the workers die with this launcher): "
             "processes per node, restarts (launch.max_restarts) and multi-node rendezvous from the config, "
-            "Slurm variables when present. Rank 0 shows a progress bar; outputs go to train.out_dir "
-            "(metrics.jsonl, loss.png, checkpoints/). See docs/train.md."
+            "Slurm variables when present. Rank 0 shows a progress bar (loss, lr, grad norm, step time), a line per "
+            "checkpoint and a summary (tokens/s per device, MFU, parameters, peak memory per rank); outputs go to "
+            "train.out_dir (config.yaml, metrics.jsonl, summary.json, loss.png, checkpoints/; TensorBoard and W&B "
+            "with train.tensorboard / train.wandb). A resume keeps the checkpoint's learning-rate schedule "
+            "(optim.override_schedule=true takes the config's). See docs/train.md."
         ),
         epilog=(
             "examples:\n"
