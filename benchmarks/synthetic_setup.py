@@ -9,7 +9,7 @@
 Each side runs in a fresh process (OMP_NUM_THREADS=1, one core), its peak RSS growth measured from a baseline after
 the imports (``VmHWM`` reset through ``/proc/self/clear_refs``). The old set-up is timed up to
 ``--old-max-time-vocab`` (65,536) and run whole only up to ``--old-max-vocab`` (its memory is vocab² × 8 bytes: 19 GiB at 50,304); above that its time is measured without the
-quadratic memory (each slice cloned, so the ``randperm`` storage goes at once: the same draws, the same time) and its
+quadratic memory (the same draws into one reused buffer: the same time) and its
 peak is given as computed, ``vocab² × 8 + tokens × 8`` bytes, marked ``(computed)``.
 
     python benchmarks/synthetic_setup.py [--quick] [--old-max-vocab 16384] [--out PATH]
@@ -45,8 +45,13 @@ def old_sequences(num, length, vocab, branching, seed, keep_storage=True):
     g = torch.Generator().manual_seed(seed)
     if keep_storage:  # as it was: every slice keeps its randperm(vocab) storage until the stack
         succ = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
-    else:  # the same draws, each slice copied out at once (time without the vocab² memory)
-        succ = torch.stack([torch.randperm(vocab, generator=g)[:branching].clone() for _ in range(vocab)])
+    else:  # the same draws into one reused buffer, each head copied out (time without the vocab² memory; a fresh
+        # randperm per token with .clone() still grows the heap by vocab² through fragmentation: OOM at 50,304)
+        succ = torch.empty(vocab, branching, dtype=torch.int64)
+        buf = torch.empty(vocab, dtype=torch.int64)
+        for i in range(vocab):
+            torch.randperm(vocab, generator=g, out=buf)
+            succ[i] = buf[:branching]
     probs = torch.rand(vocab, branching, generator=g, dtype=torch.float64) + 0.1
     probs /= probs.sum(dim=1, keepdim=True)
     out = torch.empty(num, length, dtype=torch.int64)
@@ -95,11 +100,15 @@ def main() -> int:
     ap.add_argument("--old-max-vocab", type=int, default=16384, help="largest vocabulary the old set-up runs whole")
     ap.add_argument("--old-max-time-vocab", type=int, default=65536,
                     help="largest vocabulary the old set-up is timed at (its time grows with vocab²: ~30 min at 131,072)")
+    ap.add_argument("--cases", default="", help="comma-separated cases to run (vocabularies, or 'gpu'); default all")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     rows = [("vocab", 64, 65, v, 4) for v in (4096, 16384) + (() if args.quick else (50304, 131072))]
     if not args.quick:
         rows.append(("gpu-tp-fsdp-cp.yaml", *_gpu_config()))
+    if args.cases:
+        want = set(args.cases.split(","))
+        rows = [r for r in rows if str(r[3]) in want or ("gpu" in want and r[0] != "vocab")]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = []
     print(f"synthetic set-up, one core per process, {platform.node()}, load {load:.1f} at the start")
