@@ -16,7 +16,6 @@ its next step — a test holds a world at a step of its choosing while nodes lea
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
