@@ -60,3 +60,17 @@ def test_a_vocab_sized_slice_needs_no_whole_parameter():
     assert got["shape"] == [16384, 512]
     # the slice is 64 MiB and a block 8 MiB; the whole parameter would be 512 MiB
     assert got["growth"] < 100 << 20, got
+
+
+def test_init_parameters_of_a_large_embedding_is_the_whole_draw():
+    from megashard.models.gpt.model import GPT, init_parameters, param_init_seed
+    from megashard.train.config import JobConfig
+
+    job = JobConfig.from_yaml(os.path.join(REPO, "configs", "default.yaml"),
+                              ["model.vocab_size=32768", "model.hidden=64", "model.layers=1"])
+    model = GPT(job.model, ffn_hidden=job.ffn_hidden, dtype=torch.float64)
+    init_parameters(model, 1234)
+    w = model.embed.weight  # 2M elements: drawn in two blocks
+    want = torch.empty(tuple(w.shape), dtype=torch.float64).normal_(
+        0.0, job.model.init_std, generator=torch.Generator().manual_seed(param_init_seed(1234, "embed.weight")))
+    assert w.numel() > 1 << 20 and torch.equal(w.detach(), want)
