@@ -78,3 +78,18 @@ def test_progress_line_shows_lr_grad_norm_and_step_time():
     assert bar.render(50, 3.14159, 12345.0, 30.0, lr=2.5e-3, grad_norm=0.9312, step_time=0.0954) == (
         "step  50/200 [##........] loss 3.1416 | lr 2.50e-03 | grad norm 0.931 | 12.3k tok/s | 95 ms/step | 0:30 "
         "elapsed, 1:30 left")
+
+
+def test_loggers_get_every_number_of_a_record():
+    from megashard.train.loggers import scalars_of
+
+    record = {"step": 9, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens": 1024, "tokens_per_s": 4096.0,
+              "step_time_s": 0.25, "time": 1.7e9, "world_size": 2, "tokens_per_s_per_device": 2048.0,
+              "model_tflops_per_device": 0.001, "mfu": 0.01, "valid_loss": 2.6,
+              "world_change": {"world_size_before": 4, "steps_redone": 2, "seconds_down": 3.0, "seconds_redone": 0.5},
+              "stragglers": {"step": 8, "last": {"step": 8, "rank": 1, "lag_ms": 21.4, "share": 0.2}, "named": []}}
+    assert scalars_of(record) == {
+        "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/step_time_s": 0.25,
+        "train/tokens_per_s": 4096.0, "train/tokens_per_s_per_device": 2048.0, "train/model_tflops_per_device": 0.001,
+        "train/mfu": 0.01, "world/size": 2.0, "valid/loss": 2.6, "world/steps_redone": 2.0, "world/seconds_lost": 3.5,
+        "world/size_before": 4.0, "doctor/straggler_lag_ms": 21.4, "doctor/straggler_rank": 1.0}

@@ -8,7 +8,8 @@ function every path that writes a step record calls, the loop and the elastic pa
 is what the loggers show: per step ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/step_time_s``,
 ``train/tokens_per_s``, ``train/tokens_per_s_per_device``, ``train/model_tflops_per_device``, ``train/mfu``,
 ``world/size``; ``valid/loss`` at evaluations; at a restart or world change ``world/steps_redone``,
-``world/seconds_lost`` and the change itself as text; at the end the summary (parameters, peak memory per rank).
+``world/seconds_lost`` and the change itself as text; the hang doctor's newest straggler comparison
+(``doctor/straggler_lag_ms``, ``doctor/straggler_rank``); at the end the summary (parameters, peak memory per rank).
 
 Resuming into the same log: TensorBoard writes into ``<out_dir>/tensorboard/`` with ``purge_step`` = the first step
 of the resumed run, so the steps an interrupted run logged after its checkpoint are dropped by every reader;
@@ -51,6 +52,11 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
         out["world/seconds_lost"] = float((change.get("seconds_down") or 0.0) + (change.get("seconds_redone") or 0.0))
         if change.get("world_size_before") is not None:
             out["world/size_before"] = float(change["world_size_before"])
+    last = (record.get("stragglers") or {}).get("last") if isinstance(record.get("stragglers"), dict) else None
+    if isinstance(last, dict) and isinstance(last.get("lag_ms"), (int, float)):  # the hang doctor's newest comparison
+        out["doctor/straggler_lag_ms"] = float(last["lag_ms"])
+        if isinstance(last.get("rank"), int):
+            out["doctor/straggler_rank"] = float(last["rank"])
     return out
 
 
