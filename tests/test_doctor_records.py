@@ -281,6 +281,9 @@ def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path
     assert mine.dir == str(tmp_path / "megashard-doctor-run_1")
     mine.write("5|tp:0|all_reduce|3|float32[4]|")
     mine.write("6|tp:0|barrier|4||")  # shorter than the one before: read up to its end
+    assert mine.read(0)[1] == "E6|tp:0|barrier|4||"  # the state byte first: inside
+    mine.mark(board_mod.RETURNED)
+    assert mine.read(0)[1] == "R6|tp:0|barrier|4||"  # it returned: one byte
     # rank 1 wrote its entry, then died (a child process that exits)
     code = ("import sys; sys.path.insert(0, %r); from megashard.doctor import board as b; b._base = lambda: %r; "
             "x = b.EntryBoard('run/1', 1); x.write('9|dp:1|all_gather|7|bfloat16[2, 8]|'); import os; os._exit(0)"
@@ -288,11 +291,12 @@ def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path
     subprocess.run([sys.executable, "-c", code], check=True)
     assert mine.local_ranks() == [1]
     pid, line = mine.read(1)
-    assert pid is not None and line == "9|dp:1|all_gather|7|bfloat16[2, 8]|"
-    assert mine.read(0)[1] == "6|tp:0|barrier|4||"
+    assert pid is not None and line == "E9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.read(0)[1] == "R6|tp:0|barrier|4||"
     store = dist.HashStore()
     assert mine.cover_dead(store, lambda p: p == pid) == [1]
-    assert store.get("at/1") == b"9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert store.get("at/1") == b"E9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.dead == {1: {"pid": pid, "entry": "E9|dp:1|all_gather|7|bfloat16[2, 8]|"}}  # for this rank's file
     assert mine.local_ranks() == [] and mine.cover_dead(store, lambda p: True) == []  # once, and its file is gone
     mine.close()
     assert not os.path.exists(mine.dir)
