@@ -54,7 +54,8 @@ def _inside(rec: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
 def _since(rec: Mapping[str, Any]) -> str:
     """``since all_reduce #3 on world returned (step 3)``: where a rank in its own code came from."""
     last = rec.get("returned") or rec.get("last")
-    step = f" (step {rec['step']})" if "step" in rec else ""
+    step = (last or {}).get("step", rec.get("step"))
+    step = f" (step {step})" if step is not None else ""
     return f"since {describe_call(last)} returned{step}" if last else f"before its first collective{step}"
 
 

@@ -66,7 +66,9 @@ def deaths(live: Mapping[int, Mapping], exclude: Any = ()) -> list[dict[str, Any
             continue
         inside = _inside(rec)
         others = {o: _doing(live[o], None) for o in sorted(live) if o != r and live[o].get("reason") != "died"}
-        out.append({"rank": r, "call": dict(inside) if inside else None, "step": rec.get("step"),
+        # its start record's step is old: the world's step then is the survivors' (the entry slot has none)
+        step = max([int(v.get("step", 0)) for v in live.values() if isinstance(v.get("step"), int)], default=None)
+        out.append({"rank": r, "call": dict(inside) if inside else None, "step": step,
                     "ranks": _group_ranks(rec, inside), "doing": _doing(rec, False, gone=True), "others": others})
     return out
 

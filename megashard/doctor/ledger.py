@@ -338,11 +338,11 @@ class Ledger:
         }
 
     def entry_line(self, call: Call) -> str:
-        """What is published on entry to ``call`` (``at/<rank>``): ``entries:moves|group|op|seq|sig|p2p parts`` — a
+        """What is published on entry to ``call`` (``at/<rank>``): ``entries:moves:step|group|op|seq|sig|p2p`` — a
         rank that dies inside the call within a publication interval is still seen to have reached it. (The entry
         slot puts its state byte before it: :mod:`megashard.doctor.board`.)"""
         p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p) if call.p2p else ""
-        return f"{call.entry}:{self.moves}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
+        return f"{call.entry}:{self.moves}:{call.step}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
 
 
 def compact_ranks(ranks: Sequence[int]) -> Any:
@@ -381,14 +381,18 @@ def parse_entry(text: Any) -> Optional[dict[str, Any]]:
         state, text = text[0], text[1:]
     head, _, rest = text.partition("|")
     entries, _, moves = head.partition(":")
+    moves, _, step = moves.partition(":")
     fields = rest.rsplit("|", 4)  # a group key may hold "|" (a user's name): split the rest from the right
-    if len(fields) != 5 or not entries.isdigit() or not fields[2].isdigit() or (moves and not moves.isdigit()):
+    if len(fields) != 5 or not entries.isdigit() or not fields[2].isdigit() or (moves and not moves.isdigit()) \
+            or (step and not step.lstrip("-").isdigit()):
         return None
     group, op, seq, sig, p2p = fields
     call: dict[str, Any] = {"group": group, "name": group.rsplit(":", 1)[0] if ":" in group else group, "op": op,
                             "seq": int(seq)}
     if sig:
         call["sig"] = sig
+    if step:
+        call["step"] = int(step)
     if p2p:
         try:
             call["p2p"] = [[d, int(p), int(k)] for d, p, k in (x.split(":") for x in p2p.split(","))]
@@ -421,6 +425,8 @@ def with_entry(rec: Optional[dict[str, Any]], entry: Optional[dict[str, Any]]) -
                entries=max(entry["entries"], int(rec.get("entries") or 0)))
     if entry.get("moves") is not None:
         rec["moves"] = entry["moves"]
+    if isinstance(call.get("step"), int) and call["step"] > int(rec.get("step") or 0):
+        rec["step"] = call["step"]
     g = rec["groups"].setdefault(call["group"], {"seq": 0})
     if call.get("p2p"):
         for direction, peer, k in call["p2p"]:

@@ -342,7 +342,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
         if d["call"] and d["ranks"]:  # inside a call: a row of its own, the others' whereabouts with it
             c = d["call"]
             rows.append({"group": c["group"], "name": c.get("name", c["group"]), "ranks": d["ranks"], "op": c["op"],
-                         "seq": c["seq"], "p2p": c.get("p2p") or [], "step": d["step"], "waiting": [],
+                         "seq": c["seq"], "p2p": c.get("p2p") or [], "step": d["step"], "waiting": [], "first": d["rank"],
                          "culprits": {d["rank"]: {"rank": d["rank"], "reached": True, "doing": d["doing"]},
                                       **{o: {"rank": o, "reached": False, "doing": w}
                                          for o, w in d["others"].items() if o in d["ranks"]}}})
@@ -357,7 +357,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
         group = f"{row['name']} {ranks_text(row['ranks'])}"
         op = (describe_call({"group": row["group"], "name": "", "op": row["op"], "seq": row["seq"],
                              "p2p": row["p2p"]}).rsplit(" on ", 1)[0])
-        culprits = sorted(row["culprits"].values(), key=lambda c: c["rank"])
+        culprits = sorted(row["culprits"].values(), key=lambda c: (c["rank"] != row.get("first"), c["rank"]))
         first = True
         for c in culprits or [{"rank": None}]:
             if c["rank"] is None:
