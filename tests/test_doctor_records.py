@@ -422,6 +422,9 @@ def test_a_world_that_ended_in_a_world_change_has_no_hang_but_a_live_culprit_sta
     stopped = {r: _world_rec(r, reason="terminated", state="terminated", groups={"world": {"seq": 4 - r}},
                              inside=dict(call, seq=4 - r, ranks=[0, 1])) for r in (0, 1)}
     assert summarize(stopped)["rows"] == [] and summarize(stopped)["deaths"] == []
+    # stopped inside a call its peer also reached, the peer's doctor ended on the lost node's error: cut short
+    ended = _world_rec(1, reason="failure", state="failed", groups={"world": {"seq": 5}})
+    assert summarize({0: stopped[0], 1: ended})["rows"] == []
 
 
 def test_the_lag_of_the_rank_last_most_often_is_never_negative():

@@ -111,7 +111,9 @@ def register(pg: Any, name: str, ranks: Any = None) -> None:
 
 
 def disable(reason: str = "exit") -> None:
-    """Stop the doctor (writes its file, with ``reason`` ``exit`` or ``failure``); a no-op when it is off."""
+    """Stop the doctor (writes its file, with ``reason`` ``exit``, ``failure``, or ``world_change``: this rank's world
+    ends on purpose — an elastic re-formation in-process — so what its ranks found about the ranks it lost is a
+    planned change, not a hang, in ``megashard doctor``); a no-op when it is off."""
     doctor, _CURRENT[0] = _CURRENT[0], None
     if doctor is not None:
         doctor.stop(reason)

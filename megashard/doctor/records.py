@@ -325,7 +325,10 @@ def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str,
         return []
     alive = {r: False if r not in records or records[r].get("state") in ENDED else None for r in peers}
     gone = {r for r in peers if (records.get(r) or {}).get("reason") == "died"}
-    return [diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)), gone)]
+    f = diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)), gone)
+    if rec.get("state") == "terminated" and not f["culprits"] and not f["mismatch"]:
+        return []  # stopped by the launcher inside a call every member was in: cut short, not hung
+    return [f]
 
 
 def format_table(summary: Mapping[str, Any]) -> str:

@@ -193,7 +193,7 @@ class Doctor:
             self._thread.join(timeout=self.interval + 5)
         self._thread = None
         self._term.remove()
-        self.state = "exited" if reason == "exit" else "failed"
+        self.state = "exited" if reason in ("exit", "world_change") else "failed"
         intercept.uninstall()
         try:
             self.ledger.poll()
