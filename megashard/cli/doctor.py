@@ -18,8 +18,11 @@ def add(sub: argparse._SubParsersAction) -> None:
             "or megashard.doctor.enable(out_dir=...)) and print, for every collective that did not finish within "
             "parallel.timeout, its group and ranks, the operation and its number on that group, the step, the ranks "
             "that waited, and the ranks that never reached it with what each was doing instead (a rank that died "
-            "inside it is said so), mismatched calls rank by rank and deadlocks; ranks that left no record after their "
-            "start are named; then the stragglers (per group the rank that arrives last most often and by how much, "
+            "inside it is said so, and one in its own code since which call returned), mismatched calls rank by rank "
+            "and deadlocks; a rank killed while the launcher stopped the others (no rank waited for it) is named with "
+            "where it died; a world that ended in a world change (an elastic job's node left or joined, a restart) "
+            "says which ranks it lost, not a hang; ranks that left no record after their start are named; then the "
+            "stragglers (per group the rank that arrives last most often and by how much, "
             "and the ranks named slow). Only the newest run's records are read; a damaged record is named and skipped. "
             "See docs/doctor.md."
         ),
