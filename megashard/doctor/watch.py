@@ -336,7 +336,8 @@ class Doctor:
             cycle = []
             waiting = {r: rec for r, rec in records.items() if rec is not None and alive.get(r) is not False}
             if any(rec.get("open") for rec in waiting.values()):  # a live peer waits elsewhere: a cycle?
-                mine = dict(self.ledger.record(self.beat), open=[dict(call.summary(), ranks=list(call.track.ranks))])
+                here = dict(call.summary(), ranks=list(call.track.ranks))  # this rank waits here, whatever else
+                mine = dict(self.ledger.record(self.beat), open=[here], inside=here)
                 cycle = find_cycle(self.ledger.rank, {**records, **{r: None for r in records if r not in waiting},
                                                       self.ledger.rank: mine}, fetch=self._read)
             finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited, gone,
