@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from megashard.doctor.ledger import describe_call, signature
 
-__all__ = ["NO_HEARTBEAT", "call_of", "deadlock_text", "diagnose", "finding_line", "mismatch_text", "ranks_text",
-           "reached"]
+__all__ = ["ENDED", "NO_HEARTBEAT", "call_of", "deadlock_text", "diagnose", "doing_text", "finding_line",
+           "inside_call", "mismatch_text", "ranks_text", "reached"]
 
 NO_HEARTBEAT = "no heartbeat: dead or stuck in user code"
 ENDED = ("exited", "failed", "terminated")  # record states of a rank whose doctor ended (as watch.ENDED)
@@ -42,7 +42,7 @@ def _where(c: Mapping[str, Any]) -> str:
     return describe_call(c) + (f" ({c['sig']})" if c.get("sig") else "")
 
 
-def _inside(rec: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+def inside_call(rec: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
     """The call the rank's main thread was in at its newest record or entry slot (None: in its own code). Records
     of an older doctor, which do not say, are read as before: the newest call it started and did not finish."""
     if "inside" in rec:
@@ -59,14 +59,14 @@ def _since(rec: Mapping[str, Any]) -> str:
     return f"since {describe_call(last)} returned{step}" if last else f"before its first collective{step}"
 
 
-def _doing(rec: Optional[Mapping[str, Any]], alive: Optional[bool], gone: bool = False) -> str:
+def doing_text(rec: Optional[Mapping[str, Any]], alive: Optional[bool], gone: bool = False) -> str:
     """What a rank does instead (or where it stopped), from its record."""
     if rec is None:
         return f"{NO_HEARTBEAT} (no record: it never published one)"
     last = rec.get("last")
     where = f"last: {describe_call(last)}, step {rec.get('step', '?')}"
     opened = rec.get("open") or []
-    inside = _inside(rec)
+    inside = inside_call(rec)
     knows = "inside" in rec  # a record that says whether the main thread was in a call (else: an older doctor's)
     state = rec.get("state")
     if gone and rec.get("reason") == "died":  # known only from its entry slot: its doctor never ended
@@ -141,7 +141,7 @@ def diagnose(call: Mapping[str, Any], members: Iterable[int], me: int, records: 
                 rec.get("state") in ENDED and call_of(rec, call) is not None):
             continue  # it is in the call too (or gave up on it, as this rank does)
         culprits.append({"rank": r, "reached": got_there, "alive": live if rec is not None else False,
-                         "doing": _doing(rec, live, r in gone), "step": rec.get("step") if rec else None})
+                         "doing": doing_text(rec, live, r in gone), "step": rec.get("step") if rec else None})
     mismatch: dict[int, str] = {}
     if not call.get("p2p"):
         sigs = {me: signature(call)}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Mapping
 
-from megashard.doctor.diagnose import _doing, _inside
+from megashard.doctor.diagnose import doing_text, inside_call
 
 __all__ = ["deaths", "lost_ranks", "planned_end"]
 
@@ -64,12 +64,12 @@ def deaths(live: Mapping[int, Mapping], exclude: Any = ()) -> list[dict[str, Any
         rec = live[r]
         if rec.get("reason") != "died" or r in exclude:
             continue
-        inside = _inside(rec)
-        others = {o: _doing(live[o], None) for o in sorted(live) if o != r and live[o].get("reason") != "died"}
+        inside = inside_call(rec)
+        others = {o: doing_text(live[o], None) for o in sorted(live) if o != r and live[o].get("reason") != "died"}
         # its start record's step is old: the world's step then is the survivors' (the entry slot has none)
         step = max([int(v.get("step", 0)) for v in live.values() if isinstance(v.get("step"), int)], default=None)
         out.append({"rank": r, "call": dict(inside) if inside else None, "step": step,
-                    "ranks": _group_ranks(rec, inside), "doing": _doing(rec, False, gone=True), "others": others})
+                    "ranks": _group_ranks(rec, inside), "doing": doing_text(rec, False, gone=True), "others": others})
     return out
 
 

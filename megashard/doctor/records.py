@@ -313,11 +313,11 @@ def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str,
     from the files the ranks left — a rank without a file counts as dead, one whose doctor ended as gone. Nothing when
     the launcher stopped this rank (SIGTERM) and every rank it waited for was stopped alike: an orderly stop of the
     whole world (a world change, an interrupted job), not a hang."""
-    from megashard.doctor.diagnose import ENDED, _inside
+    from megashard.doctor.diagnose import ENDED, inside_call
 
     rec = records[rank]
     opened = rec.get("open") or []
-    call = _inside(rec) if "inside" in rec else (opened[0] if opened else None)
+    call = inside_call(rec) if "inside" in rec else (opened[0] if opened else None)
     if rec.get("reason") == "exit" or not call or not call.get("ranks"):
         return []
     peers = {p for _, p, _ in call["p2p"]} if call.get("p2p") else set(call["ranks"]) - {rank}
