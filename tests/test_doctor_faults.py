@@ -63,7 +63,7 @@ def test_rank_aborted_inside_a_mismatched_all_reduce_is_named_inside_it(tmp_path
     assert code == 1 and out[0].endswith("records of 1 of 2 ranks; 1 hung operation(s)"), (out, err[-3000:])
     assert any(line.startswith("no record from rank(s) 0 after their start") for line in out), out
     if not lines:  # torchrun stopped rank 1 (within 0.1 s of rank 0's death) before it printed: its file tells
-        assert out[2].startswith("world [0, 1] all_reduce #4 3 1 rank 0: reached it, its process failed inside "
+        assert out[2].startswith("world [0, 1] all_reduce #4 3 1 rank 0: reached it, its process died inside "
                                  "all_reduce #4 on world"), out  # from rank 0's entry slot, on this host
         pytest.skip("torchrun stopped rank 1 before its line (a loaded machine): checked from the files")
     assert list(lines) == [1], err[-3000:]
@@ -128,7 +128,8 @@ def test_register_on_every_rank_and_a_member_that_ended(tmp_path, capsys):
     assert "Traceback" not in err.split("RAISED")[0], err[-3000:]  # register raised nowhere
     assert list(lines) == [0], err[-3000:]
     assert lines[0].startswith("megashard doctor: rank 0 waits in all_reduce #1 on pair [0, 1] (step 3)"), lines
-    assert "rank 1 never reached it (its process ended (last: all_reduce #3 on world" in lines[0], lines
+    assert ("rank 1 never reached it (its process ended in its own code since all_reduce #3 on world returned "
+            "(step 2))") in lines[0], lines
     code, out = _cli(run_dir, capsys)
     assert code == 1 and out[0].endswith("records of 4 of 4 ranks; 1 hung operation(s)"), out
     assert out[2].startswith("pair [0, 1] all_reduce #1 3 0 rank 1: its process ended"), out

@@ -281,6 +281,9 @@ def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path
     assert mine.dir == str(tmp_path / "megashard-doctor-run_1")
     mine.write("5|tp:0|all_reduce|3|float32[4]|")
     mine.write("6|tp:0|barrier|4||")  # shorter than the one before: read up to its end
+    assert mine.read(0)[1] == "E6|tp:0|barrier|4||"  # the state byte first: inside
+    mine.mark(board_mod.RETURNED)
+    assert mine.read(0)[1] == "R6|tp:0|barrier|4||"  # it returned: one byte
     # rank 1 wrote its entry, then died (a child process that exits)
     code = ("import sys; sys.path.insert(0, %r); from megashard.doctor import board as b; b._base = lambda: %r; "
             "x = b.EntryBoard('run/1', 1); x.write('9|dp:1|all_gather|7|bfloat16[2, 8]|'); import os; os._exit(0)"
@@ -288,11 +291,12 @@ def test_entry_board_survives_its_process_and_is_published_once_it_died(tmp_path
     subprocess.run([sys.executable, "-c", code], check=True)
     assert mine.local_ranks() == [1]
     pid, line = mine.read(1)
-    assert pid is not None and line == "9|dp:1|all_gather|7|bfloat16[2, 8]|"
-    assert mine.read(0)[1] == "6|tp:0|barrier|4||"
+    assert pid is not None and line == "E9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.read(0)[1] == "R6|tp:0|barrier|4||"
     store = dist.HashStore()
     assert mine.cover_dead(store, lambda p: p == pid) == [1]
-    assert store.get("at/1") == b"9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert store.get("at/1") == b"E9|dp:1|all_gather|7|bfloat16[2, 8]|"
+    assert mine.dead == {1: {"pid": pid, "entry": "E9|dp:1|all_gather|7|bfloat16[2, 8]|"}}  # for this rank's file
     assert mine.local_ranks() == [] and mine.cover_dead(store, lambda p: True) == []  # once, and its file is gone
     mine.close()
     assert not os.path.exists(mine.dir)
@@ -327,3 +331,116 @@ def test_the_words_for_a_rank_that_ended_crashed_or_stopped_inside_a_call():
     assert f["line"].endswith("every rank of the group reached it with the same call (all_reduce float32[4]) and is "
                               "alive: mismatched arguments the doctor does not compare (reduce ops, split sizes, "
                               "peers) or a transport problem"), f["line"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 41/40: places
+def test_the_entry_slot_says_inside_returned_or_in_flight_and_the_newest_move_wins():
+    """The slot's state byte and its moves clock: a rank that returned from #3 is in its own code since (not inside
+    it); an asynchronous call that returned stays open, in flight; a record newer than the slot is kept."""
+    from megashard.doctor.diagnose import diagnose
+    from megashard.doctor.ledger import parse_entry, with_entry
+
+    rec = {"rank": 1, "entries": 2, "moves": 4, "groups": {"world": {"seq": 2}}, "step": 1, "inside": None,
+           "open": [], "last": {"group": "world", "name": "world", "op": "all_reduce", "seq": 2, "step": 1}}
+    entered = parse_entry("E3:5:2|world|all_reduce|3|float32[4]|")
+    assert (entered["moves"], entered["state"], entered["call"]["step"]) == (5, "E", 2)
+    returned = parse_entry("R3:5:2|world|all_reduce|3|float32[4]|")
+    assert returned["moves"] == 6  # its return is one move more
+    inside = with_entry(rec, entered)
+    assert inside["inside"]["seq"] == 3 and inside["open"][-1]["seq"] == 3 and inside["groups"]["world"]["seq"] == 3
+    back = with_entry(rec, returned)
+    assert back["inside"] is None and back["open"] == [] and back["last"]["seq"] == 3 and back["step"] == 2, back
+    flying = with_entry(rec, parse_entry("A3:5:2|world|all_reduce|3|float32[4]|"))
+    assert flying["inside"] is None and [c["seq"] for c in flying["open"]] == [3]
+    assert with_entry(dict(rec, moves=6), returned) == dict(rec, moves=6)  # the record is as new: kept
+    call = {"group": "world", "name": "world", "op": "all_reduce", "seq": 4, "sig": "float32[4]", "step": 3}
+    f = diagnose(call, [0, 1], 0, {1: back}, {1: False}, 10.0)  # no heartbeat, another host
+    assert f["line"].endswith("rank 1 never reached it (no heartbeat, in its own code since all_reduce #3 on world "
+                              "returned (step 2): stuck (a held GIL?) or dead)"), f["line"]
+    assert "inside" not in f["line"]
+    f = diagnose(call, [0, 1], 0, {1: back}, {1: False}, 10.0, gone={1})
+    assert "its process ended without its final record (os._exit, a crash or a kill) in its own code since " \
+           "all_reduce #3 on world returned (step 2)" in f["line"], f["line"]
+    f = diagnose(call, [0, 1], 0, {1: dict(back, proc="stopped")}, {1: False}, 10.0)
+    assert "rank 1 never reached it (its process is stopped (SIGSTOP) in its own code since all_reduce #3" in f["line"]
+    f = diagnose(dict(call, seq=3), [0, 1], 0, {1: dict(inside, proc="stopped")}, {1: False}, 10.0)
+    assert "rank 1 reached it; its process is stopped (SIGSTOP) inside all_reduce #3 on world (float32[4])" in \
+        f["line"], f["line"]
+    assert parse_entry("R3:5:x|world|all_reduce|3||") is None
+
+
+def _world_rec(rank, *, reason="exit", state="exited", **extra):
+    rec = {"rank": rank, "world_size": 2, "run": "r1", "world": 0, "job": "J", "launch": "L", "attempt": 0,
+           "started": 100.0 + rank, "time": 200.0, "host": "elsewhere", "pid": 1000 + rank, "beat": 5, "step": 3,
+           "entries": 3, "moves": 6, "groups": {"world": {"seq": 3}}, "open": [], "inside": None, "findings": [],
+           "last": {"group": "world", "name": "world", "op": "all_reduce", "seq": 3, "step": 2},
+           "state": state, "reason": reason, "group_ranks": {"world": [0, 1]}}
+    rec.update(extra)
+    return rec
+
+
+def test_a_rank_killed_while_the_launcher_stopped_the_others_is_named_from_a_survivors_file():
+    """Rank 1 was SIGKILLed inside all-reduce #4 (its start record only, on another host: no entry slot here); rank 0
+    was stopped by SIGTERM in its own code and wrote what its host's board showed of rank 1."""
+    from megashard.doctor.records import format_table, summarize
+
+    dead = _world_rec(1, reason="start", state="running", entries=0, moves=0, groups={"world": {"seq": 0}}, last=None)
+    survivor = _world_rec(0, reason="terminated", state="terminated",
+                          dead_peers={"1": {"pid": 1001, "entry": "E4:7:3|world|all_reduce|4|float32[4]|"}})
+    s = summarize({0: survivor, 1: dead})
+    assert s["rows"] == [] and [d["rank"] for d in s["deaths"]] == [1], s
+    text = [" ".join(line.split()) for line in format_table(s).splitlines()]
+    assert text[1] == ("world [0, 1] all_reduce #4 3 - rank 1: reached it, its process died inside all_reduce #4 on "
+                       "world (float32[4]) (crashed, aborted or killed)"), text
+    assert text[2] == ("rank 0: stopped by a signal (SIGTERM) in its own code since all_reduce #3 on world returned "
+                       "(step 2)"), text
+    other_pid = dict(dead, pid=999)  # another process's slot (a rank of an earlier launch): not this rank's death
+    assert summarize({0: survivor, 1: other_pid})["deaths"] == []
+    # the same world followed by another of the job (a world change): not a hang, not a death of the job
+    planned = summarize({0: survivor, 1: dead}, followed=True)
+    assert planned["rows"] == [] and planned["deaths"] == [] and planned["planned"], planned
+    assert format_table(planned).splitlines()[1].startswith("the world ended in a world change, not a hang: rank(s) 1 "
+                                                            "lost"), format_table(planned)
+
+
+def test_a_world_that_ended_in_a_world_change_has_no_hang_but_a_live_culprit_stays_one():
+    from megashard.doctor.diagnose import diagnose
+    from megashard.doctor.records import summarize
+
+    call = {"group": "world", "name": "world", "op": "all_reduce", "seq": 4, "sig": "float32[4]", "step": 3}
+    lost = diagnose(call, [0, 1], 0, {1: None}, {1: False}, 0.1)  # the peer's node went away
+    waiting = _world_rec(0, reason="failure", state="failed", findings=[lost])
+    dead = _world_rec(1, reason="start", state="running", host="elsewhere")
+    assert len(summarize({0: waiting, 1: dead})["rows"]) == 1  # alone (the job's last world): a hang, as before
+    s = summarize({0: waiting, 1: dead}, followed=True)
+    assert s["rows"] == [] and len(s["world_end"]) == 1, s
+    alive = diagnose(call, [0, 1], 0, {1: _world_rec(1, state="running", reason="hang")}, {1: True}, 10.0)
+    s = summarize({0: _world_rec(0, reason="failure", state="failed", findings=[alive]),
+                   1: _world_rec(1, state="running", reason="hang")}, followed=True)
+    assert len(s["rows"]) == 1 and "in user code" in s["rows"][0]["culprits"][1]["doing"], s  # a real hang
+    # every rank stopped by the launcher inside a call (a world change's restart, Ctrl-C): an orderly stop
+    stopped = {r: _world_rec(r, reason="terminated", state="terminated", groups={"world": {"seq": 4 - r}},
+                             inside=dict(call, seq=4 - r, ranks=[0, 1])) for r in (0, 1)}
+    assert summarize(stopped)["rows"] == [] and summarize(stopped)["deaths"] == []
+    # stopped inside a call its peer also reached, the peer's doctor ended on the lost node's error: cut short
+    ended = _world_rec(1, reason="failure", state="failed", groups={"world": {"seq": 5}})
+    assert summarize({0: stopped[0], 1: ended})["rows"] == []
+
+
+def test_the_lag_of_the_rank_last_most_often_is_never_negative():
+    """Three ranks; rank 0 is the last (waits least) at 4 of 10 steps, by 2 ms; at the others it waits 5 ms longer
+    than the rest: over all steps its median lateness is negative — the lag is what it was late by when it was."""
+    from megashard.doctor.stragglers import _Group
+
+    g = _Group("dp", (0, 1, 2))
+    for step in range(10):
+        if step % 10 < 4:
+            waits = {0: 0.010, 1: 0.012, 2: 0.012}
+        elif step % 2:
+            waits = {0: 0.017, 1: 0.010, 2: 0.013}
+        else:
+            waits = {0: 0.017, 1: 0.013, 2: 0.010}
+        g.add(waits, 0.1, most=False)
+    row = g.row()
+    assert row["rank"] == 0 and row["last"] == 4, row
+    assert row["lag_ms"] == 2.0 and row["share"] == 0.02, row

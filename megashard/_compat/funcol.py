@@ -30,6 +30,23 @@ def functional_group_name(group, tag: str = "") -> str:
     return str(functional_collectives()._resolve_group_name(group, tag))
 
 
+def functional_group(group, tag: str = ""):
+    """``(process group, axis name)`` of a functional collective's ``group`` argument: the ProcessGroup torch resolves
+    its name to (``c10d._resolve_process_group``, private; None where it cannot) and, for a mesh dimension (``(mesh,
+    dim)`` or a 1-d mesh), that dimension's name in the mesh (None without names)."""
+    name = functional_group_name(group, tag)
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - a name this torch cannot resolve (or no such helper)
+        pg = None
+    mesh, dim = (group if isinstance(group, tuple) and len(group) == 2 else (group, 0))
+    names = getattr(mesh, "mesh_dim_names", None)
+    axis = names[dim] if names and isinstance(dim, int) and 0 <= dim < len(names) else None
+    return pg, axis
+
+
 def hook_functional_outputs(hook):
     """Let ``hook(raw, wrapped)`` see every tensor a functional collective returns, before the caller does
     (``_maybe_wrap_tensor``, private: the one function every funcol output passes through; ``raw`` is the tensor

@@ -18,13 +18,17 @@ def add(sub: argparse._SubParsersAction) -> None:
             "or megashard.doctor.enable(out_dir=...)) and print, for every collective that did not finish within "
             "parallel.timeout, its group and ranks, the operation and its number on that group, the step, the ranks "
             "that waited, and the ranks that never reached it with what each was doing instead (a rank that died "
-            "inside it is said so), mismatched calls rank by rank and deadlocks; ranks that left no record after their "
-            "start are named; then the stragglers (per group the rank that arrives last most often and by how much, "
+            "inside it is said so, and one in its own code since which call returned), mismatched calls rank by rank "
+            "and deadlocks; a rank killed while the launcher stopped the others (no rank waited for it) is named with "
+            "where it died; a world that ended in a world change (an elastic job's node left or joined, a restart) "
+            "says which ranks it lost, not a hang; ranks that left no record after their start are named; then the "
+            "stragglers (per group the rank that arrives last most often and by how much, "
             "and the ranks named slow). Only the newest run's records are read; a damaged record is named and skipped. "
             "See docs/doctor.md."
         ),
         epilog=("examples:\n  megashard doctor runs/default\n  megashard doctor runs/default --format json\n"
-                "\nexit codes: 0 no hang recorded, 1 hangs recorded (the table), 2 usage or no records in RUN_DIR"),
+                "\nexit codes: 0 no hang recorded (a world change or an orderly end is none), 1 hangs or a rank's death "
+                "recorded (the table), 2 usage or no records in RUN_DIR"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the job's output directory (train.out_dir), or its doctor/")
@@ -47,7 +51,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                               "named above) is damaged or not a doctor record: nothing to diagnose")
         raise ConfigError(f"RUN_DIR {args.run_dir}: no doctor records (doctor/rank_<r>.json); the job ran without "
                           "the hang doctor (train.doctor=false) or never started")
-    attempts = [(a.label, a.directory, summarize(a.records)) for a in found.kept]
+    # every world but the newest was followed by another of the job (a world change, a restart): planned ends
+    attempts = [(a.label, a.directory, summarize(a.records, followed=i < len(found.kept) - 1))
+                for i, a in enumerate(found.kept)]
     damaged_ranks: dict = {}  # directory -> ranks whose rank_<r>.json there was skipped
     for path, _ in found.damaged:
         m = re.match(r"rank_(\d+)\.json$", os.path.basename(path))
@@ -70,8 +76,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
     for i, (label, d, s) in enumerate(attempts if args.format == "table" else ()):
         where = args.run_dir if len(attempts) == 1 else f"{args.run_dir} ({label})"
+        died = f"; {len(s['deaths'])} rank(s) died" if s["deaths"] else ""
+        changed = "; ended in a world change" if s["world_end"] else ""
         print(f"megashard doctor: {where}: records of {len(s['ranks']) - len(s['started_only'])} of "
-              f"{s['world_size']} ranks; {len(s['rows'])} hung operation(s)")
+              f"{s['world_size']} ranks; {len(s['rows'])} hung operation(s){died}{changed}")
         print(format_table(s))
         unreadable = sorted(set(s["no_record"]) & damaged_ranks.get(d, set()))
         if unreadable:  # their file is there but was skipped: not a rank that was killed
@@ -90,4 +98,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             print(format_report(slow[i]))
     if ignored_line and args.format == "table":
         print(ignored_line)
-    return 1 if any(s["rows"] for _, _, s in attempts) else 0
+    # a hang in any world, or a rank that died in the job's last world (nothing went on after it); a world change
+    # (ranks lost, the job went on) and an orderly end are not
+    return 1 if any(s["rows"] or s["deaths"] for _, _, s in attempts) else 0

@@ -12,9 +12,12 @@ what they do instead; ``megashard doctor RUN_DIR`` prints the same after the fac
 
 ``megashard run`` turns it on for the training job (``train.doctor``, default true). Modules: ``ledger`` (in-memory
 counters per group: the fast path), ``intercept`` (torch.distributed's collectives, and the functional ones DTensor
-uses, wrapped while enabled), ``watch`` (the background thread, the store, the report), ``diagnose`` (records -> the
-line), ``waitfor`` (deadlock cycles), ``records`` (the files, checked and sorted by run -> the table),
-``stragglers`` (which ranks arrive last at the collectives, and by how much). See docs/doctor.md.
+uses, wrapped while enabled), ``board`` (each rank's entry slot in shared memory: the call it is in, or returned
+from), ``watch`` (the background thread, the store, the report), ``identity`` (a world's run id and directory),
+``process`` (peers' processes on this host; SIGTERM), ``diagnose`` (records -> the line), ``waitfor`` (deadlock
+cycles), ``records`` (the files, checked and sorted by run -> the table), ``endings`` (deaths, and world changes
+that are not hangs), ``stragglers`` (which ranks arrive last at the collectives, and by how much). See
+docs/doctor.md.
 """
 from __future__ import annotations
 
@@ -111,7 +114,9 @@ def register(pg: Any, name: str, ranks: Any = None) -> None:
 
 
 def disable(reason: str = "exit") -> None:
-    """Stop the doctor (writes its file, with ``reason`` ``exit`` or ``failure``); a no-op when it is off."""
+    """Stop the doctor (writes its file, with ``reason`` ``exit``, ``failure``, or ``world_change``: this rank's world
+    ends on purpose — an elastic re-formation in-process — so what its ranks found about the ranks it lost is a
+    planned change, not a hang, in ``megashard doctor``); a no-op when it is off."""
     doctor, _CURRENT[0] = _CURRENT[0], None
     if doctor is not None:
         doctor.stop(reason)

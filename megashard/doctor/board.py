@@ -4,7 +4,10 @@ A rank can die (gloo aborts it, SIGKILL, a segfault) microseconds after entering
 publication to the store. So on entry to every call the main thread writes the call (:meth:`Ledger.entry_line
 <megashard.doctor.ledger.Ledger.entry_line>`, ~60 bytes) into its own memory-mapped file — about a microsecond, no
 system call, no network — in a directory of the run on this host (``/dev/shm/megashard-doctor-<run>/``, else the
-temporary directory). The file outlives the process:
+temporary directory); when the call returns it flips one byte, the line's first: ``E`` the main thread is inside the
+call, ``R`` it returned (finished), ``A`` it returned with the call still in flight (``async_op``, a functional
+collective not yet waited on) — so a rank that stops after a call returned is not said to be inside it. The file
+outlives the process:
 
 - peers on the same host read it directly when they diagnose a hang;
 - for peers on other hosts, every rank's background thread looks at the files of the other ranks of its host once per
@@ -24,10 +27,13 @@ import tempfile
 import time
 from typing import Any, Optional
 
-__all__ = ["EntryBoard", "HEADER", "SIZE", "sweep"]
+__all__ = ["EntryBoard", "HEADER", "SIZE", "sweep", "INSIDE", "RETURNED", "IN_FLIGHT"]
 
 SIZE = 1024
-HEADER = 64  # "<pid>\n", then the newest entry line from this offset
+HEADER = 64  # "<pid>\n", then the state byte and the newest entry line from this offset
+INSIDE, RETURNED, IN_FLIGHT = ord("E"), ord("R"), ord("A")
+"""The state byte (the entry line's first character): the main thread is inside the call; it returned and the call
+finished; it returned and the call is still in flight."""
 
 
 def _base() -> str:
@@ -75,6 +81,7 @@ class EntryBoard:
         self.rank = rank
         self.path = os.path.join(self.dir, f"rank_{rank}")
         self.covered: set[int] = set()  # dead local ranks whose entry this rank published
+        self.dead: dict[int, dict] = {}  # those ranks: {"pid", "entry" (their last line, or None)}, for this rank's file
         self._mm: Optional[mmap.mmap] = None
         if not create:
             return
@@ -97,15 +104,23 @@ class EntryBoard:
         """The entry files of run ``run`` on this host, to read only (``megashard doctor`` after the fact)."""
         return cls(run, -1, create=False)
 
-    def write(self, line: str) -> None:
-        """The call this rank starts (the main thread; about a microsecond)."""
+    def write(self, line: str, state: int = INSIDE) -> None:
+        """The call this rank starts, or waits on (the main thread; about a microsecond): ``state`` + ``line``."""
         mm = self._mm
         if mm is not None:
-            data = line.encode("utf-8", "replace")[: SIZE - HEADER - 1] + b"\n"
-            mm[HEADER:HEADER + len(data)] = data
+            data = line.encode("utf-8", "replace")[: SIZE - HEADER - 2] + b"\n"
+            mm[HEADER + 1:HEADER + 1 + len(data)] = data
+            mm[HEADER] = state
+
+    def mark(self, state: int) -> None:
+        """The call written last returned (:data:`RETURNED`, :data:`IN_FLIGHT`): one byte, ~0.1 µs."""
+        mm = self._mm
+        if mm is not None:
+            mm[HEADER] = state
 
     def read(self, rank: int) -> tuple[Optional[int], Optional[str]]:
-        """``(pid, newest entry line)`` of ``rank``'s file on this host, or ``(None, None)`` when it has none."""
+        """``(pid, newest entry line)`` of ``rank``'s file on this host (the line with its state byte first, as
+        :func:`~megashard.doctor.ledger.parse_entry` reads it), or ``(None, None)`` when it has none."""
         try:
             with open(os.path.join(self.dir, f"rank_{rank}"), "rb") as f:
                 data = f.read(SIZE)
@@ -134,6 +149,7 @@ class EntryBoard:
             if pid is None or not dead(pid):
                 continue
             self.covered.add(r)
+            self.dead[r] = {"pid": pid, "entry": line}
             if line:
                 try:
                     store.set(f"at/{r}", line)

@@ -16,10 +16,11 @@ from typing import Any, Iterable, Mapping, Optional
 
 from megashard.doctor.ledger import describe_call, signature
 
-__all__ = ["NO_HEARTBEAT", "call_of", "deadlock_text", "diagnose", "finding_line", "mismatch_text", "ranks_text",
-           "reached"]
+__all__ = ["ENDED", "NO_HEARTBEAT", "call_of", "deadlock_text", "diagnose", "doing_text", "finding_line",
+           "inside_call", "mismatch_text", "ranks_text", "reached"]
 
 NO_HEARTBEAT = "no heartbeat: dead or stuck in user code"
+ENDED = ("exited", "failed", "terminated")  # record states of a rank whose doctor ended (as watch.ENDED)
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -37,27 +38,68 @@ def call_of(rec: Optional[Mapping[str, Any]], call: Mapping[str, Any]) -> Option
     return None
 
 
-def _doing(rec: Optional[Mapping[str, Any]], alive: Optional[bool], gone: bool = False) -> str:
+def _where(c: Mapping[str, Any]) -> str:
+    return describe_call(c) + (f" ({c['sig']})" if c.get("sig") else "")
+
+
+def inside_call(rec: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+    """The call the rank's main thread was in at its newest record or entry slot (None: in its own code). Records
+    of an older doctor, which do not say, are read as before: the newest call it started and did not finish."""
+    if "inside" in rec:
+        return rec["inside"] if isinstance(rec["inside"], Mapping) else None
+    opened = rec.get("open") or []
+    return rec.get("entered") or (opened[-1] if opened else None)
+
+
+def _since(rec: Mapping[str, Any]) -> str:
+    """``since all_reduce #3 on world returned (step 3)``: where a rank in its own code came from."""
+    last = rec.get("returned") or rec.get("last")
+    step = (last or {}).get("step", rec.get("step"))
+    step = f" (step {step})" if step is not None else ""
+    return f"since {describe_call(last)} returned{step}" if last else f"before its first collective{step}"
+
+
+def doing_text(rec: Optional[Mapping[str, Any]], alive: Optional[bool], gone: bool = False) -> str:
     """What a rank does instead (or where it stopped), from its record."""
     if rec is None:
         return f"{NO_HEARTBEAT} (no record: it never published one)"
     last = rec.get("last")
     where = f"last: {describe_call(last)}, step {rec.get('step', '?')}"
     opened = rec.get("open") or []
-    entered = rec.get("entered")
-    inside = entered or (opened[-1] if opened else None)  # the newest call it started and did not finish
-    if rec.get("state") in ("exited", "failed"):
-        verb = "ended" if rec["state"] == "exited" else "failed"
-        return f"its process {verb} inside {describe_call(inside)}" if inside else f"its process {verb} ({where})"
+    inside = inside_call(rec)
+    knows = "inside" in rec  # a record that says whether the main thread was in a call (else: an older doctor's)
+    state = rec.get("state")
+    if gone and rec.get("reason") == "died":  # known only from its entry slot: its doctor never ended
+        state = None
+    if state in ("exited", "failed"):
+        verb = "ended" if state == "exited" else "failed"
+        if inside:
+            return f"its process {verb} inside {describe_call(inside)}"
+        return f"its process {verb} in its own code {_since(rec)}" if knows and last else f"its process {verb} ({where})"
+    if state == "terminated":  # a signal (SIGTERM: the launcher stops the workers once one died)
+        return (f"stopped by a signal (SIGTERM) inside {_where(inside)}" if inside
+                else f"stopped by a signal (SIGTERM) in its own code {_since(rec)}")
     if alive is False:
-        if inside:  # it started a call it never finished, then stopped: it died (or hangs) inside it
-            what = describe_call(inside) + (f" ({inside['sig']})" if inside.get("sig") else "")
-            return (f"its process died inside {what} (crashed, aborted or killed)" if gone
-                    else f"no heartbeat since it entered {what}: died or stuck inside it")
+        if rec.get("proc") == "stopped":  # SIGSTOP, SIGTSTP or a debugger, seen on this host
+            return (f"its process is stopped (SIGSTOP) inside {_where(inside)}" if inside
+                    else f"its process is stopped (SIGSTOP) in its own code {_since(rec)}")
+        if inside:  # it is in a call it never finished, then stopped: it died (or hangs) inside it
+            return (f"its process died inside {_where(inside)} (crashed, aborted or killed)" if gone
+                    else f"no heartbeat since it entered {_where(inside)}: died or stuck inside it")
+        if knows and last:
+            return (f"its process ended without its final record (os._exit, a crash or a kill) in its own code "
+                    f"{_since(rec)}" if gone else
+                    f"no heartbeat, in its own code {_since(rec)}: stuck (a held GIL?) or dead")
         if gone:
             return f"its process died ({where})" if last else "its process died before its first collective"
         # a record without a collective is the one published at start: nothing newer came
         return f"{NO_HEARTBEAT} ({where})" if last else f"{NO_HEARTBEAT}; no record since it started"
+    if knows and inside:
+        age = f" for {inside['age_s']:.1f} s" if isinstance(inside.get("age_s"), (int, float)) else ""
+        return f"waiting in {describe_call(inside)}{age} (step {rec.get('step', '?')})"
+    if knows and not inside:
+        flight = f", {describe_call(opened[0])} in flight" if opened else ""
+        return f"{where}; in user code for {rec.get('idle_s', 0):.1f} s{flight}"
     if opened:
         c = opened[0]
         age = f" for {c['age_s']:.1f} s" if isinstance(c.get("age_s"), (int, float)) else ""
@@ -95,11 +137,11 @@ def diagnose(call: Mapping[str, Any], members: Iterable[int], me: int, records: 
         rec = records.get(r)
         live = alive.get(r)
         got_there = rec is not None and reached(call, me, r, rec)
-        if got_there and (live is not False or rec.get("state") in ("exited", "failed")) and not (
-                rec.get("state") in ("exited", "failed") and call_of(rec, call) is not None):
+        if got_there and (live is not False or rec.get("state") in ENDED) and not (
+                rec.get("state") in ENDED and call_of(rec, call) is not None):
             continue  # it is in the call too (or gave up on it, as this rank does)
         culprits.append({"rank": r, "reached": got_there, "alive": live if rec is not None else False,
-                         "doing": _doing(rec, live, r in gone), "step": rec.get("step") if rec else None})
+                         "doing": doing_text(rec, live, r in gone), "step": rec.get("step") if rec else None})
     mismatch: dict[int, str] = {}
     if not call.get("p2p"):
         sigs = {me: signature(call)}

@@ -15,11 +15,13 @@ in the ``torch.distributed`` namespace *and* in ``torch.distributed.distributed_
 3. when torch raises (gloo's timeout, a peer that died), let the doctor diagnose before the error goes on.
 
 Calls made *inside* a wrapped call (``all_gather_object`` → ``all_gather``; ``batch_isend_irecv`` → ``isend``) are
-not counted again (a thread-local depth). Not seen: functional collectives
-(``torch.distributed._functional_collectives``,
-used by DTensor redistribution and ``torch.compile``: C++ ops, no Python function to wrap), collectives called through
-a name imported before the doctor was installed (``from torch.distributed import all_reduce``), and ProcessGroup methods
-called directly (``pg.allreduce(...)``).
+not counted again (a thread-local depth). Functional collectives (``torch.distributed._functional_collectives``: what
+DTensor's redistribution calls) are wrapped at their Python entry points; one on a group the doctor was not told of
+(a DeviceMesh the user made) adopts that group, named after its mesh axis (:meth:`Doctor.adopt_functional
+<megashard.doctor.watch.Doctor.adopt_functional>`). The main thread's moves into and out of every call (entry, return,
+``Work.wait``, ``wait_tensor``) are written to the rank's entry slot (:mod:`megashard.doctor.board`). Not seen:
+collectives compiled by ``torch.compile``, collectives called through a name imported before the doctor was installed
+(``from torch.distributed import all_reduce``), and ProcessGroup methods called directly (``pg.allreduce(...)``).
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
             parts = ()
         sig = _sig(_arg(args, kwargs, tensor_param, idx["tensor"])) if tensor_param else ""
         call = ledger.begin(track, name, parts, sig)
-        doctor.board.write(ledger.entry_line(call))  # before torch runs it: a rank that dies inside is seen inside
+        doctor.entered(call)  # before torch runs it: a rank that dies inside is seen inside
         _TLS.depth = 1
         try:
             out = fn(*args, **kwargs)
@@ -153,17 +155,22 @@ def _wrap(name: str, fn: Callable) -> Callable:
             _TLS.depth = 0
             doctor.on_error(call, e)  # while the call is still open in the published record
             ledger.end(call)
+            doctor.returned(call)
             raise
         _TLS.depth = 0
         if always_async or _arg(args, kwargs, "async_op", idx["async"], False):
             if out is None:
                 ledger.end(call)
+                doctor.returned(call)
             else:
                 ledger.hold(call, out)
+                doctor.returned(call, in_flight=True)  # back in the caller's code; the call goes on
         elif track.cuda:
             call.work = _EventProbe()
+            doctor.returned(call, in_flight=True)  # enqueued
         else:
             ledger.end(call, sync=True)
+            doctor.returned(call)  # one byte of the entry slot: not inside any more
         return out
 
     wrapper._megashard_doctor = True  # type: ignore[attr-defined]
@@ -221,8 +228,10 @@ def _wrap_functional(name: str, fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         ledger = doctor.ledger
         track = ledger.by_pg_name.get(key)
-        if track is None:
-            return fn(*args, **kwargs)
+        if track is None:  # a group of the user's own (a DeviceMesh's): watched from now on, by its axis name
+            track = doctor.adopt_functional(key, _arg(args, kwargs, "group", gidx))
+            if track is None:
+                return fn(*args, **kwargs)
         call = ledger.begin(track, name, (), _sig(_arg(args, kwargs, "self", tidx)))
         doctor.entered(call)
         _TLS.depth, _TLS.outputs = 1, []
@@ -232,12 +241,15 @@ def _wrap_functional(name: str, fn: Callable) -> Callable:
             _TLS.depth, _TLS.outputs = 0, None
             doctor.on_error(call, e)
             ledger.end(call)
+            doctor.returned(call)
             raise
         probes, _TLS.depth, _TLS.outputs = _TLS.outputs, 0, None
         if probes:
             ledger.hold(call, probes)
+            doctor.returned(call, in_flight=True)  # open until its result is waited on
         else:  # waited inside (traced, or a gather along another dim)
             ledger.end(call)
+            doctor.returned(call)
         return out
 
     wrapper._megashard_doctor = True  # type: ignore[attr-defined]
@@ -249,19 +261,21 @@ def _wrap_wait_tensor(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wait_tensor(tensor: Any) -> Any:
+        doctor = _ACTIVE[0]
+        call = doctor.ledger.held.get(id(tensor)) if doctor is not None else None
+        if call is None:  # not a call the doctor holds (or the doctor is off)
+            return fn(tensor)
+        doctor.entered(call)  # the main thread waits in it now
         t0 = time.monotonic()
         try:
             out = fn(tensor)
         except BaseException as e:  # gloo's timeout, a lost peer: the call is diagnosed while still open
-            doctor = _ACTIVE[0]
-            call = doctor.ledger.held.get(id(tensor)) if doctor is not None else None
-            if call is not None:
-                doctor.on_error(call, e)
+            doctor.on_error(call, e)
+            doctor.returned(call, in_flight=True)
             raise
-        doctor = _ACTIVE[0]
-        if doctor is not None:
-            doctor.ledger.blocked(id(tensor), time.monotonic() - t0)
-            doctor.ledger.waited(tensor)
+        doctor.ledger.blocked(id(tensor), time.monotonic() - t0)
+        doctor.ledger.waited(tensor)
+        doctor.returned(call, in_flight=call.cid in doctor.ledger.open)
         return out
 
     wait_tensor._megashard_doctor = True  # type: ignore[attr-defined]
@@ -277,19 +291,21 @@ def _wrap_wait(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         doctor = _ACTIVE[0]
-        if doctor is None or id(self) not in doctor.ledger.held:  # torch's own wait inside a synchronous call
+        call = doctor.ledger.held.get(id(self)) if doctor is not None else None
+        if call is None:  # torch's own wait inside a synchronous call, or a Work the doctor does not hold
             return fn(self, *args, **kwargs)
+        doctor.entered(call)  # the main thread waits in it now
         t0 = time.monotonic()
         try:
             out = fn(self, *args, **kwargs)
         except BaseException as e:  # gloo's timeout, a lost peer: diagnosed while the call is still open
-            call = doctor.ledger.held.get(id(self))
-            if call is not None:
-                doctor.on_error(call, e)
+            doctor.on_error(call, e)
+            doctor.returned(call, in_flight=True)
             raise
         if out is not False:
             doctor.ledger.blocked(id(self), time.monotonic() - t0)
             doctor.ledger.waited(self)
+        doctor.returned(call, in_flight=call.cid in doctor.ledger.open)
         return out
 
     wait._megashard_doctor = True  # type: ignore[attr-defined]

@@ -133,6 +133,8 @@ class Ledger:
         self.last_end = time.monotonic()
         self.step = 0
         self.entries = 0  # calls started (the entry published on each call carries it: newer than a record or not)
+        self.moves = 0  # the main thread's moves into and out of calls (the entry slot's and the record's clock)
+        self.inside: Optional[Call] = None  # the call the main thread is in now (started, or waited on), or None
         self._ids = itertools.count(1)
         self.identity: dict[str, Any] = {}  # run, launch, attempt, started: set by the Doctor
         self.step_log: collections.deque = collections.deque(maxlen=STEP_LOG)  # (step, seconds, {group key: wait s})
@@ -324,20 +326,23 @@ class Ledger:
         return {
             **self.identity,
             "rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": self.pid, "beat": beat,
-            "time": time.time(), "step": self.step, "entries": self.entries, "groups": groups,
+            "time": time.time(), "step": self.step, "entries": self.entries, "moves": self.moves,
+            "inside": dict(self.inside.summary(now), ranks=list(self.inside.track.ranks)) if self.inside else None,
+            "groups": groups,
             "open": [dict(c.summary(now), ranks=list(c.track.ranks)) for c in open_calls],
             "last": self.last.summary() if self.last is not None else None,
-            "idle_s": round(now - self.last_end, 3) if not open_calls else 0.0,
+            "idle_s": round(now - self.last_end, 3) if self.inside is None else 0.0,
             "group_ranks": {key: compact_ranks(t.ranks) for key, t in self.by_key.items()},
             "peers": self.peers_key(),
             "waits": self.published_waits(waits),
         }
 
     def entry_line(self, call: Call) -> str:
-        """What is published on entry to ``call`` (``at/<rank>``): ``entries|group|op|seq|sig|p2p parts`` — a rank that
-        dies inside the call within a publication interval is still seen to have reached it."""
+        """What is published on entry to ``call`` (``at/<rank>``): ``entries:moves:step|group|op|seq|sig|p2p`` — a
+        rank that dies inside the call within a publication interval is still seen to have reached it. (The entry
+        slot puts its state byte before it: :mod:`megashard.doctor.board`.)"""
         p2p = ",".join(f"{d}:{p}:{k}" for d, p, k in call.p2p) if call.p2p else ""
-        return f"{call.entry}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
+        return f"{call.entry}:{self.moves}:{call.step}|{call.track.key}|{call.op}|{call.seq}|{call.sig}|{p2p}"
 
 
 def compact_ranks(ranks: Sequence[int]) -> Any:
@@ -371,31 +376,57 @@ def parse_entry(text: Any) -> Optional[dict[str, Any]]:
         text = text.decode("utf-8", "replace")
     if not isinstance(text, str):
         return None
+    state = "E"  # a line without its state byte (written by an older doctor): entered
+    if text[:1] in ("E", "R", "A"):
+        state, text = text[0], text[1:]
     head, _, rest = text.partition("|")
+    entries, _, moves = head.partition(":")
+    moves, _, step = moves.partition(":")
     fields = rest.rsplit("|", 4)  # a group key may hold "|" (a user's name): split the rest from the right
-    if len(fields) != 5 or not head.isdigit() or not fields[2].isdigit():
+    if len(fields) != 5 or not entries.isdigit() or not fields[2].isdigit() or (moves and not moves.isdigit()) \
+            or (step and not step.lstrip("-").isdigit()):
         return None
     group, op, seq, sig, p2p = fields
     call: dict[str, Any] = {"group": group, "name": group.rsplit(":", 1)[0] if ":" in group else group, "op": op,
                             "seq": int(seq)}
     if sig:
         call["sig"] = sig
+    if step:
+        call["step"] = int(step)
     if p2p:
         try:
             call["p2p"] = [[d, int(p), int(k)] for d, p, k in (x.split(":") for x in p2p.split(","))]
         except ValueError:
             return None
-    return {"entries": int(head), "call": call}
+    # the main thread's moves: one more once it returned (the record it publishes counts that move too)
+    return {"entries": int(entries), "moves": int(moves) + (state != "E") if moves else None, "state": state,
+            "call": call}
 
 
 def with_entry(rec: Optional[dict[str, Any]], entry: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """A rank's published record updated with the call it published on entry, when that entry is newer than the
-    record (the rank started the call after its last record): its counters then include the call, and the call is
-    its newest open one, marked ``entered`` (it started it; whether it finished is unknown)."""
-    if rec is None or entry is None or entry["entries"] <= int(rec.get("entries") or 0):
+    """A rank's published record updated with its entry slot (:func:`parse_entry`) when the slot is newer (the main
+    thread moved into or out of a call after the record: a higher ``moves``; for records of an older doctor, a higher
+    ``entries``): its counters then include the call, and
+
+    - state ``E``: the main thread is inside the call (started it, or waits on it): the call is its newest open one,
+      and ``inside`` (also ``entered``: whether it finished is unknown);
+    - ``R``: it returned and finished: ``last``, and ``inside`` is None (the rank is in its own code since);
+    - ``A``: it returned with the call in flight (``async_op``): still open, ``inside`` None."""
+    if rec is None or entry is None:
         return rec
-    call = dict(entry["call"], entered=True)
-    rec = dict(rec, groups={k: dict(v) for k, v in (rec.get("groups") or {}).items()}, entries=entry["entries"])
+    if entry.get("moves") is not None and isinstance(rec.get("moves"), int):
+        if entry["moves"] <= rec["moves"]:
+            return rec
+    elif entry["entries"] <= int(rec.get("entries") or 0):
+        return rec
+    state = entry.get("state", "E")
+    call = dict(entry["call"])
+    rec = dict(rec, groups={k: dict(v) for k, v in (rec.get("groups") or {}).items()},
+               entries=max(entry["entries"], int(rec.get("entries") or 0)))
+    if entry.get("moves") is not None:
+        rec["moves"] = entry["moves"]
+    if isinstance(call.get("step"), int) and call["step"] > int(rec.get("step") or 0):
+        rec["step"] = call["step"]
     g = rec["groups"].setdefault(call["group"], {"seq": 0})
     if call.get("p2p"):
         for direction, peer, k in call["p2p"]:
@@ -405,8 +436,17 @@ def with_entry(rec: Optional[dict[str, Any]], entry: Optional[dict[str, Any]]) -
             g[field_] = counts
     else:
         g["seq"] = max(int(g.get("seq", 0)), call["seq"])
-    opened = [c for c in rec.get("open") or [] if (c.get("group"), c.get("seq"), c.get("op")) !=
-              (call["group"], call["seq"], call["op"])]
-    rec["open"] = opened + [call]  # the newest call last: open[0] stays the oldest
-    rec["entered"] = call
+    opened = [c for c in rec.get("open") or [] if (c.get("group"), c.get("seq"), c.get("op"), c.get("p2p")) !=
+              (call["group"], call["seq"], call["op"], call.get("p2p"))]
+    if state == "E":
+        call["entered"] = True
+        rec["open"] = opened + [call]  # the newest call last: open[0] stays the oldest
+        rec["entered"] = rec["inside"] = call
+    else:
+        rec.pop("entered", None)
+        rec["inside"] = None
+        rec["returned"] = call
+        rec["open"] = opened + [call] if state == "A" else opened
+        if state == "R":
+            rec["last"] = call
     return rec

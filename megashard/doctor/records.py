@@ -107,6 +107,7 @@ def check_record(rec: Any) -> Optional[str]:
                           ("state", lambda v: isinstance(v, str), "a string"),
                           ("reason", lambda v: isinstance(v, str), "a string"),
                           ("step", _is_int, "an integer"), ("beat", _is_int, "an integer"),
+                          ("moves", _is_int, "an integer"),
                           ("pid", _is_int, "an integer"), ("host", lambda v: isinstance(v, str), "a string"),
                           ("idle_s", _is_num, "a number"), ("open", lambda v: isinstance(v, list), "a list"),
                           ("findings", lambda v: isinstance(v, list), "a list"),
@@ -118,10 +119,18 @@ def check_record(rec: Any) -> Optional[str]:
         bad = _check_call(c, f"open[{i}]")
         if bad:
             return bad
-    if rec.get("last"):
-        bad = _check_call(rec["last"], "last")
-        if bad:
-            return bad
+    for key in ("last", "inside"):
+        if rec.get(key):
+            bad = _check_call(rec[key], key)
+            if bad:
+                return bad
+    if "inside" in rec and rec["inside"] is not None and not isinstance(rec["inside"], dict):
+        return f"key 'inside' must be an object (a call) or null, found {rec['inside']!r:.60}"
+    dead = rec.get("dead_peers")
+    if dead is not None and not (isinstance(dead, dict) and all(
+            str(k).isdigit() and isinstance(v, dict) and _is_int(v.get("pid")) and
+            (v.get("entry") is None or isinstance(v.get("entry"), str)) for k, v in dead.items())):
+        return "key 'dead_peers' must be an object (rank -> {pid: integer, entry: string or null})"
     for i, f in enumerate(rec.get("findings") or []):
         bad = _check_finding(f, f"findings[{i}]")
         if bad:
@@ -250,15 +259,23 @@ def read_attempts(run_dir: str) -> RunRecords:
 
 
 # ---------------------------------------------------------------------------------------------- the table
-def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
+def summarize(records: Mapping[int, Mapping], followed: bool = False) -> dict[str, Any]:
     """The hangs the ranks found, merged across ranks: one row per (group, operation), with every rank that waited
     and every rank named as not reaching it (first description wins), plus ranks that left no record (a record
-    written at start and never again counts as none: the process was killed)."""
+    written at start and never again counts as none: the process was killed), and the ranks that died with no rank
+    waiting for them (``deaths``: killed inside a call while the launcher stopped the others; from their entry slots
+    on this host, or what a survivor wrote of them).
+
+    ``followed``: a later world of the same job exists (an elastic membership change, a restart). A world that ended
+    so — or whose ranks ended it on purpose (reason ``world_change``) — ended in a planned way: its rows whose every
+    named rank was lost (died, no heartbeat, ended) and its deaths are not hangs but the change (``world_end``);
+    a row that names a live rank (waiting elsewhere, in its own code, mismatched) stays a hang."""
+    from megashard.doctor.endings import deaths, lost_ranks, planned_end
     from megashard.doctor.waitfor import find_cycle
 
     live = {r: rec for r, rec in records.items() if rec.get("reason") != "start"}
     written = set(live)
-    live.update(_entered_before_death(records, live))
+    live.update(lost_ranks(records, live))
     rows: dict[tuple, dict[str, Any]] = {}
     for rank in sorted(live):
         for f in live[rank].get("findings") or _after_the_fact(rank, live):
@@ -281,44 +298,37 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
         if not row["deadlock"]:
             row["deadlock"] = find_cycle(min(row["waiting"]), live)
     world = max((int(r.get("world_size", 0)) for r in records.values()), default=0)
-    return {"rows": list(rows.values()), "world_size": world, "ranks": sorted(records),
-            "no_record": [r for r in range(world) if r not in written],
-            "started_only": sorted(r for r in records if r not in written)}
-
-
-def _entered_before_death(records: Mapping[int, Mapping], live: Mapping[int, Mapping]) -> dict[int, dict]:
-    """Ranks of this host that left only their start record but whose entry slot is still there (no survivor of
-    theirs published it: torchrun stopped them all at once): their start record with the call they entered, so the
-    after-the-fact diagnosis sees them inside it."""
-    import socket
-
-    from megashard.doctor.board import EntryBoard
-    from megashard.doctor.ledger import parse_entry, with_entry
-
-    out: dict[int, dict] = {}
-    host = socket.gethostname()
-    for r, rec in records.items():
-        if r in live or rec.get("host") != host or not isinstance(rec.get("run"), str):
-            continue
-        board = EntryBoard.reader(rec["run"])
-        pid, line = board.read(r)
-        entry = parse_entry(line) if pid == rec.get("pid") else None
-        if entry is not None:
-            out[r] = dict(with_entry(dict(rec), entry), state="failed", reason="died")
+    named = {c for row in rows.values() for c in row["culprits"]}
+    died = deaths(live, exclude=named)
+    out = {"rows": list(rows.values()), "deaths": died, "world_end": [], "planned": False, "world_size": world,
+           "ranks": sorted(records), "no_record": [r for r in range(world) if r not in written],
+           "started_only": sorted(r for r in records if r not in written)}
+    if followed or any(rec.get("reason") == "world_change" for rec in records.values()):
+        planned_end(out)
     return out
 
 
 def _after_the_fact(rank: int, records: Mapping[int, Mapping]) -> list[dict[str, Any]]:
     """A rank stopped inside a call before its own report (e.g. stopped by torchrun after a peer died): the finding
-    from the files the ranks left — a rank without a file counts as dead, one whose doctor ended as gone."""
+    from the files the ranks left — a rank without a file counts as dead, one whose doctor ended as gone. Nothing when
+    the launcher stopped this rank (SIGTERM) and every rank it waited for was stopped alike: an orderly stop of the
+    whole world (a world change, an interrupted job), not a hang."""
+    from megashard.doctor.diagnose import ENDED, inside_call
+
     rec = records[rank]
     opened = rec.get("open") or []
-    if rec.get("reason") == "exit" or not opened or not opened[0].get("ranks"):
+    call = inside_call(rec) if "inside" in rec else (opened[0] if opened else None)
+    if rec.get("reason") == "exit" or not call or not call.get("ranks"):
         return []
-    call = opened[0]
     peers = {p for _, p, _ in call["p2p"]} if call.get("p2p") else set(call["ranks"]) - {rank}
-    alive = {r: False if r not in records or records[r].get("state") in ("exited", "failed") else None for r in peers}
-    return [diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)))]
+    if rec.get("state") == "terminated" and all((records.get(p) or {}).get("state") == "terminated" for p in peers):
+        return []
+    alive = {r: False if r not in records or records[r].get("state") in ENDED else None for r in peers}
+    gone = {r for r in peers if (records.get(r) or {}).get("reason") == "died"}
+    f = diagnose(call, call["ranks"], rank, records, alive, float(call.get("age_s", 0.0)), gone)
+    if rec.get("state") == "terminated" and not f["culprits"] and not f["mismatch"]:
+        return []  # stopped by the launcher inside a call every member was in: cut short, not hung
+    return [f]
 
 
 def format_table(summary: Mapping[str, Any]) -> str:
@@ -326,17 +336,31 @@ def format_table(summary: Mapping[str, Any]) -> str:
     it with what they did instead; mismatched calls and deadlocks on lines of their own below it."""
     from megashard.doctor.diagnose import deadlock_text, mismatch_text
 
-    rows = summary["rows"]
+    from megashard.doctor.endings import world_end_lines
+
+    rows = list(summary["rows"])
+    notes = []
+    for d in summary.get("deaths") or []:  # killed while no rank waited for it: the launcher stopped the others
+        others = "; ".join(f"rank {o}: {w}" for o, w in d["others"].items())
+        if d["call"] and d["ranks"]:  # inside a call: a row of its own, the others' whereabouts with it
+            c = d["call"]
+            rows.append({"group": c["group"], "name": c.get("name", c["group"]), "ranks": d["ranks"], "op": c["op"],
+                         "seq": c["seq"], "p2p": c.get("p2p") or [], "step": d["step"], "waiting": [], "first": d["rank"],
+                         "culprits": {d["rank"]: {"rank": d["rank"], "reached": True, "doing": d["doing"]},
+                                      **{o: {"rank": o, "reached": False, "doing": w}
+                                         for o, w in d["others"].items() if o in d["ranks"]}}})
+        else:
+            notes.append(f"rank {d['rank']}: {d['doing']}" + (f"; then {others}" if others else ""))
     if not rows:
-        return "no hang recorded: no rank waited longer than parallel.timeout in a collective"
+        lines = notes + world_end_lines(summary)
+        return "\n".join(["no hang recorded: no rank waited longer than parallel.timeout in a collective", *lines])
     head = ("GROUP", "OPERATION", "STEP", "WAITING RANKS", "NOT REACHED BY (doing instead)")
     table = []
-    notes = []
     for row in rows:
         group = f"{row['name']} {ranks_text(row['ranks'])}"
         op = (describe_call({"group": row["group"], "name": "", "op": row["op"], "seq": row["seq"],
                              "p2p": row["p2p"]}).rsplit(" on ", 1)[0])
-        culprits = sorted(row["culprits"].values(), key=lambda c: c["rank"])
+        culprits = sorted(row["culprits"].values(), key=lambda c: (c["rank"] != row.get("first"), c["rank"]))
         first = True
         for c in culprits or [{"rank": None}]:
             if c["rank"] is None:
@@ -344,7 +368,8 @@ def format_table(summary: Mapping[str, Any]) -> str:
                        "every rank reached it and is alive (mismatched arguments or transport)")
             else:
                 why = f"rank {c['rank']}: {'reached it, ' if c['reached'] else ''}{c['doing']}"
-            cells = (group, op, str(row["step"]), ", ".join(map(str, sorted(row["waiting"])))) if first else ("",) * 4
+            waiting = ", ".join(map(str, sorted(row["waiting"]))) or "-"  # "-": a rank died, none waited for it
+            cells = (group, op, str(row["step"]), waiting) if first else ("",) * 4
             table.append((*cells, why))
             first = False
         if row.get("mismatch"):
@@ -357,4 +382,4 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 notes.append(text)
     widths = [max(len(r[i]) for r in [head, *table]) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in [head, *table]]
-    return "\n".join([line.rstrip() for line in lines] + notes)
+    return "\n".join([line.rstrip() for line in lines] + notes + world_end_lines(summary))

@@ -80,6 +80,8 @@ class _Group:
         self.last_count: collections.Counter = collections.Counter()
         self.lateness: dict[int, collections.deque] = {r: collections.deque(maxlen=WINDOW) for r in ranks}
         self.share: dict[int, collections.deque] = {r: collections.deque(maxlen=WINDOW) for r in ranks}
+        # (lateness, share) of a member at the steps it was the last: what it was late by when it was (never < 0)
+        self.as_last: dict[int, collections.deque] = {r: collections.deque(maxlen=WINDOW) for r in ranks}
 
     def label(self) -> str:
         return f"{self.name} {_ranks(self.ranks)}"
@@ -95,13 +97,17 @@ class _Group:
             self.lateness[r].append(late)
             self.share[r].append(late / tau)
         self.last_count[last] += 1
+        self.as_last[last].append((self.lateness[last][-1], self.share[last][-1]))
         return last, self.lateness[last][-1]
 
     def row(self) -> dict[str, Any]:
+        """The member last most often and by how much: the median of what it was late by *at the steps it was the
+        last* — over all steps the median would mix in the steps where others were later (negative lags)."""
         top, count = max(self.last_count.items(), key=lambda kv: (kv[1], -kv[0]))
+        lags = self.as_last[top] or [(0.0, 0.0)]
         return {"group": self.label(), "steps": self.steps, "rank": top, "last": count,
-                "lag_ms": round(statistics.median(self.lateness[top]) * 1e3, 3),
-                "share": round(statistics.median(self.share[top]), 4)}
+                "lag_ms": round(max(0.0, statistics.median(x for x, _ in lags)) * 1e3, 3),
+                "share": round(max(0.0, statistics.median(y for _, y in lags)), 4)}
 
     def named(self) -> list[dict[str, Any]]:
         out = []

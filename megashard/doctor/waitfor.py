@@ -18,8 +18,10 @@ __all__ = ["blocked_in", "blockers", "find_cycle"]
 def blocked_in(rec: Optional[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
     """The call a rank is blocked in: its newest open call (the main thread waits there; older open calls are
     asynchronous ones still in flight), or None when it is in none or its process ended."""
-    if not rec or rec.get("state") in ("exited", "failed"):
+    if not rec or rec.get("state") in ("exited", "failed", "terminated"):
         return None
+    if "inside" in rec:  # the record says where the main thread is (an asynchronous call in flight blocks nothing)
+        return rec["inside"] if isinstance(rec["inside"], Mapping) else None
     opened = [c for c in rec.get("open") or [] if isinstance(c, Mapping)]
     return opened[-1] if opened else None
 

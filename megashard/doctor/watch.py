@@ -27,84 +27,17 @@ import time
 from typing import IO, Any, Iterable, Optional
 
 from megashard.doctor import intercept
-from megashard.doctor.board import EntryBoard
+from megashard.doctor.board import IN_FLIGHT, RETURNED, EntryBoard
 from megashard.doctor.diagnose import diagnose
+from megashard.doctor.identity import default_interval, record_dir, run_identity
 from megashard.doctor.ledger import PUBLISHED_STEPS, Call, Ledger, parse_entry, with_entry
+from megashard.doctor.process import ENDED, TermHook, note_dead_peers, pid_dead, pid_stopped
 from megashard.doctor.stragglers import Stragglers
 from megashard.doctor.waitfor import find_cycle
 
 __all__ = ["Doctor", "default_interval", "record_dir", "run_identity"]
 
 STORE_PREFIX = "megashard_doctor"
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else None
-
-
-def run_identity(store: Any) -> dict[str, Any]:
-    """What ties this rank's records to its world (see the module docstring of :mod:`megashard.doctor.records`):
-
-    - ``run``: one id for every rank of this world, agreed through the store without a collective (the first rank
-      to ask sets it; the store is new for each rendezvous round under ``megashard run``, so a new world gets a new id);
-    - ``world``: the number of this world within its job, agreed with the id — the rendezvous round the workers started
-      in (megashard's agent exports it: an old node and a node that joined see the same round, while their torchrun
-      restart counts differ), else the restart count of the rank that set the id. 0 writes ``doctor/``, k > 0
-      ``doctor/restart_<k>/``;
-    - ``job``: what every launcher and restart of one launch share (``MEGASHARD_JOB_ID`` of ``megashard run``, else
-      torchrun's rendezvous id), None outside a launcher; ``launch``: ``MEGASHARD_RUN_ID``, else torchrun's id;
-    - ``attempt``: this rank's torchrun restart count; ``started``: when this rank's doctor started (seconds since the
-      epoch)."""
-    import uuid
-
-    from megashard._compat import RENDEZVOUS_ROUND_ENV
-
-    launch = os.environ.get("MEGASHARD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
-    if launch == "none":  # torchrun's default --rdzv-id: the same for every launch
-        launch = None
-    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
-    job = os.environ.get("MEGASHARD_JOB_ID") or (torchrun if torchrun and torchrun != "none" else None)
-    attempt = _env_int("TORCHELASTIC_RESTART_COUNT") or 0
-    world = _env_int(RENDEZVOUS_ROUND_ENV)
-    world = attempt if world is None else world
-    mine = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
-    try:
-        agreed = store.compare_set("run", "", json.dumps({"run": mine, "world": world}))
-        agreed = agreed.decode("utf-8", "replace") if isinstance(agreed, bytes) else str(agreed)
-        try:
-            value = json.loads(agreed)
-            run, world = str(value["run"]), int(value["world"])
-        except (ValueError, TypeError, KeyError):  # another doctor's plain id
-            run = agreed
-    except Exception:  # noqa: BLE001 - a store without compare_set: the launch's id, if any
-        run = f"{launch}/{world}" if launch else mine
-    return {"run": run, "world": world, "job": job, "launch": launch, "attempt": attempt, "started": time.time()}
-
-
-def record_dir(out_dir: str, world: Any) -> str:
-    """Where the ranks of world number ``world`` write their records: ``<out_dir>/doctor`` for the first world of a
-    job, ``<out_dir>/doctor/restart_<k>`` for world k > 0 (a torchrun restart, or a new world of an elastic job)."""
-    d = os.path.join(out_dir, "doctor")
-    return os.path.join(d, f"restart_{world}") if isinstance(world, int) and world > 0 else d
-
-
-def default_interval(timeout: float) -> float:
-    """Seconds between two publications of a rank's record: a tenth of the timeout, within [0.2, 5] s."""
-    return min(5.0, max(0.2, timeout / 10.0))
-
-
-def _pid_dead(pid: int) -> bool:
-    """Whether process ``pid`` on this host is gone (or a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: it exists
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 class Doctor:
@@ -153,6 +86,9 @@ class Doctor:
         self.state = "running"
         self._snap: dict[int, tuple[float, dict[int, Optional[dict]]]] = {}  # call id -> (when, records read then)
         self._reported: set[int] = set()  # ids of calls open when this rank last reported a hang
+        self._declined: set[str] = set()  # torch's names of groups a functional collective used and not adopted
+        self._term = TermHook(self._on_terminate)  # SIGTERM: this rank's record first (installed by start)
+        self._writes = 0
         self._lock = threading.Lock()  # one report at a time (thread and main thread)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -201,13 +137,51 @@ class Doctor:
         self.ledger.register(world, "world", range(dist.get_world_size()), default=True,
                              cuda="nccl" in str(dist.get_backend()))
 
+    def adopt_functional(self, key: str, group: Any) -> Optional[Any]:
+        """The track of the group a functional collective runs on (torch's name ``key``) when the doctor was not told
+        of it — a DeviceMesh of the user's own: DTensor's redistribution on its ``tp`` axis — registered now under the
+        mesh axis's name (else ``group``); None when it cannot be resolved (then it goes unseen). Every member adopts
+        it at its first functional call there, so the members count the group's calls alike from then on."""
+        if key in self._declined:
+            return None
+        import torch.distributed as dist
+
+        from megashard._compat import functional_group
+
+        try:
+            pg, axis = functional_group(group)
+            ranks = dist.get_process_group_ranks(pg) if isinstance(pg, dist.ProcessGroup) else None
+        except Exception:  # noqa: BLE001 - not resolvable here: unseen, as before
+            pg, axis, ranks = None, None, None
+        if not ranks or self.ledger.rank not in ranks:
+            self._declined.add(key)
+            return None
+        track = self.ledger.tracks.get(id(pg))
+        if track is not None and track.pg is pg:
+            self.ledger.by_pg_name[key] = track
+            return track
+        name = axis if isinstance(axis, str) and axis.strip() and "|" not in axis else "group"
+        track = self.ledger.register(pg, name, ranks, cuda="nccl" in str(dist.get_backend(pg)))
+        self.ledger.by_pg_name[key] = track
+        return track
+
     def start(self) -> "Doctor":
         intercept.install(self)
         self._publish()
         self.write("start", waits=1)  # this rank of this run started: a rank killed later leaves at least this
+        self._term.install()
         self._thread = threading.Thread(target=self._run, name="megashard-doctor", daemon=True)
         self._thread.start()
         return self
+
+    # ------------------------------------------------------------------ stopped by the launcher
+    def _on_terminate(self) -> None:
+        """SIGTERM (:class:`~megashard.doctor.process.TermHook`): this rank's record first — where the main thread is,
+        and the dead ranks of this host with the call their entry slots name — before the signal takes effect."""
+        if self.state == "running":
+            self.state = "terminated"
+            note_dead_peers(self.board)
+            self.write("terminated")
 
     def stop(self, reason: str = "exit") -> None:
         """Stop watching: the thread ends, the final record is published and written, torch's functions are back and
@@ -218,7 +192,8 @@ class Doctor:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
         self._thread = None
-        self.state = "exited" if reason == "exit" else "failed"
+        self._term.remove()
+        self.state = "exited" if reason in ("exit", "world_change") else "failed"
         intercept.uninstall()
         try:
             self.ledger.poll()
@@ -230,9 +205,22 @@ class Doctor:
         self.board.close()
 
     def entered(self, call: Call) -> None:
-        """The call this rank starts, written to its shared-memory entry (the main thread, before torch runs it): a
-        rank that dies inside a call is seen inside it, even within a publication interval of entering it."""
-        self.board.write(self.ledger.entry_line(call))
+        """The main thread starts ``call`` (before torch runs it), or waits on it (``Work.wait``, ``wait_tensor``):
+        written to this rank's shared-memory entry slot, so that a rank that dies or stops inside a call is seen
+        inside it, even within a publication interval of entering it."""
+        ledger = self.ledger
+        ledger.moves += 1
+        ledger.inside = call
+        self.board.write(ledger.entry_line(call))
+
+    def returned(self, call: Call, in_flight: bool = False) -> None:
+        """The main thread is back in the caller's code from ``call`` (``in_flight``: the call goes on, an
+        ``async_op``): one byte of the entry slot (~0.1 µs), so a rank that stops after a call returned is said to be
+        in its own code, not inside the call."""
+        ledger = self.ledger
+        ledger.moves += 1
+        ledger.inside = None
+        self.board.mark(IN_FLIGHT if in_flight else RETURNED)
 
     # ------------------------------------------------------------------ the background thread
     def _run(self) -> None:
@@ -241,7 +229,10 @@ class Doctor:
                 self.ledger.poll(self.report)
                 self._publish()
                 self._check()
-                self.board.cover_dead(self.store, _pid_dead)  # a dead rank of this host: its entry for the others
+                before = len(self.board.dead)
+                self.board.cover_dead(self.store, pid_dead)  # a dead rank of this host: its entry for the others
+                if len(self.board.dead) > before:  # in this rank's file too: the launcher may stop it any moment
+                    self.write("peer_died")
                 if self.stragglers is not None:
                     self._compare_waits()
             except Exception as e:  # noqa: BLE001 - the doctor must never take a job down
@@ -345,7 +336,8 @@ class Doctor:
             cycle = []
             waiting = {r: rec for r, rec in records.items() if rec is not None and alive.get(r) is not False}
             if any(rec.get("open") for rec in waiting.values()):  # a live peer waits elsewhere: a cycle?
-                mine = dict(self.ledger.record(self.beat), open=[dict(call.summary(), ranks=list(call.track.ranks))])
+                here = dict(call.summary(), ranks=list(call.track.ranks))  # this rank waits here, whatever else
+                mine = dict(self.ledger.record(self.beat), open=[here], inside=here)
                 cycle = find_cycle(self.ledger.rank, {**records, **{r: None for r in records if r not in waiting},
                                                       self.ledger.rank: mine}, fetch=self._read)
             finding = diagnose(call.summary(), call.track.ranks, self.ledger.rank, records, alive, waited, gone,
@@ -378,9 +370,9 @@ class Doctor:
                 before, now = first.get(r), records.get(r)
                 if now is not None and (before is None or int(now.get("beat", 0)) > int(before.get("beat", 0))):
                     alive[r] = True
-                elif now is not None and now.get("state") in ("exited", "failed"):
+                elif now is not None and now.get("state") in ENDED:
                     alive[r] = False
-                elif now is not None and now.get("host") == self.ledger.host and _pid_dead(int(now.get("pid", -1))):
+                elif now is not None and now.get("host") == self.ledger.host and pid_dead(int(now.get("pid", -1))):
                     alive[r] = False
                     gone.add(r)
                 else:
@@ -393,8 +385,11 @@ class Doctor:
             if records.get(r) is None:
                 records[r] = first.get(r)  # the store may be gone: what was read first
             alive[r] = False if records.get(r) is not None else None
+            rec = records.get(r)
+            if rec is not None and rec.get("host") == self.ledger.host and pid_stopped(int(rec.get("pid", -1))):
+                records[r] = dict(rec, proc="stopped")  # SIGSTOP (or a debugger): said so, not "dead or stuck"
         for r, rec in records.items():  # a process that ended is not alive, whatever its last beat
-            if rec is not None and rec.get("state") in ("exited", "failed"):
+            if rec is not None and rec.get("state") in ENDED:
                 alive[r] = False
         return records, alive, gone
 
@@ -417,11 +412,14 @@ class Doctor:
         rec.update(state=self.state, reason=reason, timeout=self.timeout, findings=self.findings)
         if self.straggler_report is not None:
             rec["stragglers"] = self.straggler_report
+        if self.board.dead:  # ranks of this host seen dead, with the call their entry slots name
+            rec["dead_peers"] = {str(r): dict(v) for r, v in sorted(self.board.dead.items())}
         d = record_dir(self.out_dir, self.ledger.identity.get("world"))  # the same for every rank of this world
         path = os.path.join(d, f"rank_{self.ledger.rank}.json")
+        self._writes += 1  # a name of its own per write: the thread, a signal handler and the main thread may overlap
         try:
             os.makedirs(d, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{self._writes}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(rec, f, indent=1)
             os.replace(tmp, path)
