@@ -164,7 +164,7 @@ def _ctrl_c(proc: subprocess.Popen, out: str) -> tuple[int, list[str]]:
         for pid in _processes_with(out):
             os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    while _processes_with(out) and time.monotonic() - t0 < 10:
+    while _processes_with(out) and time.monotonic() - t0 < 120:  # a hang guard: how fast they go is not timed
         time.sleep(0.1)
     assert _processes_with(out) == [], "processes left after Ctrl-C"
     return proc.returncode, err.splitlines()

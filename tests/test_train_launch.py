@@ -189,7 +189,7 @@ def test_killing_the_launcher_leaves_no_process_and_the_next_run_takes_over_its_
         os.killpg(launcher.pid, signal.SIGKILL)  # torchrun starts its workers in sessions of their own
         launcher.wait()
         t0 = time.monotonic()
-        while _processes_with(out) and time.monotonic() - t0 < 10:
+        while _processes_with(out) and time.monotonic() - t0 < 120:  # a hang guard: how fast they go is not timed
             time.sleep(0.05)
         assert _processes_with(out) == [], f"still running {time.monotonic() - t0:.1f} s after the kill"
     finally:
