@@ -195,7 +195,7 @@ def _ctrl_c(proc: subprocess.Popen, out: str) -> tuple[int, list[str]]:
     """SIGINT to the launcher's process group (what Ctrl-C in a terminal does); its exit code and stderr lines."""
     os.killpg(proc.pid, signal.SIGINT)
     try:
-        err = proc.communicate(timeout=120)[1]
+        err = proc.communicate(timeout=600)[1]  # a hang guard: the workers stop slowly on a loaded machine
     finally:
         for pid in _processes_with(out):
             os.kill(pid, signal.SIGKILL)
