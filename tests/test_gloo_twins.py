@@ -6,7 +6,6 @@ for which megashard creates real gloo twins exactly as it does on nccl.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 

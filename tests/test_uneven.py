@@ -8,7 +8,6 @@ library, which only sees the local shards.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
