@@ -35,7 +35,7 @@ import time
 import pytest
 
 from megashard.checkpoint import safety
-from tests._helpers import processes_with, tree_snapshot
+from tests._helpers import processes_with, sigint_as_in_a_terminal, tree_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 processes instead of the default's 4 (half the start-up); every run of a directory uses the same layout.
@@ -188,14 +188,15 @@ def _start(out: str, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(_megashard() + ["run", "configs/default.yaml", f"train.out_dir={out}"] + args + QUIET[:2],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a process group of its own, as a terminal's foreground job
+                            start_new_session=True,  # a process group of its own, as a terminal's foreground job
+                            preexec_fn=sigint_as_in_a_terminal)
 
 
 def _ctrl_c(proc: subprocess.Popen, out: str) -> tuple[int, list[str]]:
     """SIGINT to the launcher's process group (what Ctrl-C in a terminal does); its exit code and stderr lines."""
     os.killpg(proc.pid, signal.SIGINT)
     try:
-        err = proc.communicate(timeout=600)[1]  # a hang guard: the workers stop slowly on a loaded machine
+        err = proc.communicate(timeout=300)[1]  # a hang guard: the workers stop slowly on a loaded machine
     finally:
         for pid in _processes_with(out):
             os.kill(pid, signal.SIGKILL)

@@ -16,6 +16,7 @@ import sys
 import time
 
 from megashard.launch.startwatch import describe, innermost_frame
+from tests._helpers import sigint_as_in_a_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 10.0
@@ -37,7 +38,8 @@ def _run(tmp_path, overrides, extra_path="") -> subprocess.Popen:
                CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-c", "import sys; from megashard.cli import main; sys.exit(main(sys.argv[1:]))", "run",
            os.path.join(ROOT, "configs", "default.yaml"), *JOB, f"train.out_dir={tmp_path / 'job'}", *overrides]
-    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)  # the test's Ctrl-C reaches it however pytest started
 
 
 def _lines_until(proc: subprocess.Popen, marker: str, deadline_s: float) -> tuple[list[str], float]:
