@@ -104,12 +104,6 @@ def check_moe_ep2_tp2(rank, world):
 
 
 def check_inductor(rank, world):
-    # Kernels compiled in this process, not in a pool of compile workers (each a fresh interpreter importing torch:
-    # seconds of CPU on a 2-core machine for a one-block model); the generated code is the same.
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    import torch._inductor.config as inductor_config
-
-    inductor_config.compile_threads = 1
     _check("inductor", ("train.compile_backend=inductor", "train.dtype=float32"), rtol=1e-5)
 
 
