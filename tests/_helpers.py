@@ -115,6 +115,16 @@ def processes_with(marker: str) -> list[tuple[int, str]]:
     return found
 
 
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a launcher a test will Ctrl-C: SIGINT at its default, as for a terminal's foreground job.
+    A pytest started in the background by a shell without job control (``cmd &`` in a script, CI runners) has SIGINT
+    ignored, every child inherits that, and Python then installs no KeyboardInterrupt handler: the launcher would
+    never see the test's Ctrl-C."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def tree_snapshot(d: str) -> dict[str, tuple[int, int, int]]:
     """Every entry under ``d`` (directories and files, links not followed) with its mode, size and mtime (ns): equal
     before and after a command when it wrote, touched, added or removed nothing there."""

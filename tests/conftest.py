@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -52,3 +53,26 @@ def _cpu_tests_see_a_cpu_machine(request, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(tracker_module, "_HAS_CUDA", None)  # re-asked (False) inside, forgotten afterwards
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_state_left_behind(request):
+    """Every test leaves this process as it found it: no default process group and no megashard state initialised.
+    A test that left one would change what the next test sees (several skip when a group is up), so its teardown
+    fails naming it, after cleaning up so the tests after it run as they would alone."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    left = []
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        left.append("a default process group")
+    current = sys.modules.get("megashard.state.current")
+    if current is not None and current.is_initialized():
+        left.append("megashard's parallel state")
+    if not left:
+        return
+    if current is not None and current.is_initialized():
+        current.destroy()
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    pytest.fail(f"{request.node.nodeid} left {' and '.join(left)} initialised in the pytest process: destroy it in a "
+                "finally (or a fixture's teardown), or the tests after it see it", pytrace=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -101,13 +102,15 @@ def test_calibrate_runs_the_job_and_writes_a_file_that_ranks_again(tmp_path, cap
     holds it, and reading the file ranks the same way without running anything."""
     cal = tmp_path / "cal.json"
     argv = ["plan", DEFAULT, *TINY, "--suggest", "-w", "2", "--device-memory", "1GiB", "--format", "json"]
+    t0 = time.monotonic()
     code = main([*argv, "--calibrate", "1", "--calibrate-steps", "3", "--calibrate-rounds", "1",
                  "--calibration", str(cal)])
+    whole = time.monotonic() - t0  # the calibration's own duration: a step of it takes less (in seconds, not ms)
     out, err = capsys.readouterr()
     assert code == 0, err
     d = json.loads(out)
     first = d["top"][0]
-    assert first["step"]["source"] == "measured" and 0 < first["step"]["measured_seconds"] < 60, err
+    assert first["step"]["source"] == "measured" and 0 < first["step"]["measured_seconds"] < whole, err
     saved = json.loads(cal.read_text())
     assert saved["kind"] == "megashard-advisor-calibration" and saved["world_size"] == 2
     assert saved["timings"][0]["layout"] == first["layout"] and len(saved["timings"][0]["samples"]) == 1

@@ -8,7 +8,6 @@ library, which only sees the local shards.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -365,7 +364,8 @@ def check_batched_metadata_one_exchange_per_axis(rank, world_size):
 
 
 def _expect_raise(fn, cls, *needles):
-    t0 = time.monotonic()
+    """``fn`` raises ``cls`` with every needle in its message: the error itself, not a timeout (a collective that
+    waited for a peer would fail with gloo's timeout error, another class and message)."""
     try:
         fn()
     except cls as e:
@@ -374,7 +374,6 @@ def _expect_raise(fn, cls, *needles):
             assert n in msg, (n, msg)
     else:
         raise AssertionError(f"{cls.__name__} not raised")
-    assert time.monotonic() - t0 < 10.0  # an error, not a timeout
 
 
 def check_mismatched_state_dicts_raise_everywhere(rank, world_size):
