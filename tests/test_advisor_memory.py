@@ -54,6 +54,41 @@ JOBS = {
     "tp=2 recompute distributed": ["parallel.tp=2", "parallel.dp_shard=2", "model.recompute=true",
                                    "model.distribute_saved_activations=true"],
 }
+#: Jobs of shapes the model was not written for (issue 41: other microbatch counts, vpp=3, MoE every 2nd block,
+#: top-1 routing, bf16 with accumulation, a large hidden size with a small vocabulary, seq 512, micro_batch_size=3,
+#: HSDP): each overrides BASE's model where it says so; 4 ranks each.
+NEW_JOBS = {
+    "gpt bf16 tp=2 fsdp=2 mb=3 h160": ["parallel.tp=2", "parallel.dp_shard=2", "train.dtype=bfloat16",
+                                       "train.microbatches=3", "train.global_batch=6", "model.hidden=160",
+                                       "model.layers=2"],
+    "llama fsdp=4 recompute micro_batch_size=3": ["parallel.tp=1", "parallel.dp_shard=4", "model.arch=llama",
+                                                  "model.recompute=true", "train.micro_batch_size=3",
+                                                  "train.global_batch=24"],
+    "llama hsdp 2x2 recompute micro_batch_size=3": ["parallel.tp=1", "parallel.dp_outer=2", "parallel.dp_shard=2",
+                                                    "model.arch=llama", "model.recompute=true",
+                                                    "train.micro_batch_size=3", "train.global_batch=12"],
+    "moe gpt 4 experts top-1 ep=4 seq 256": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=4",
+                                             "model.num_experts=4", "model.moe_top_k=1", "model.moe_every=2",
+                                             "model.seq_len=256", "model.ffn_hidden=256"],
+    "llama tp=2 pp=2 vpp=3 mb=4": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=3", "parallel.dp_shard=1",
+                                   "model.arch=llama", "model.layers=6", "train.microbatches=4",
+                                   "train.pipeline_schedule=interleaved_1f1b"],
+    "moe top-2 ep=2 pp=2 1f1b mb=2": ["parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                      "model.num_experts=4", "model.moe_top_k=2", "model.ffn_hidden=256",
+                                      "train.microbatches=2"],
+    "gpt fsdp=4 h512 vocab 256": ["parallel.tp=1", "parallel.dp_shard=4", "model.hidden=512", "model.heads=8",
+                                  "model.vocab_size=256", "model.layers=2"],
+    "gpt pp=2 1f1b mb=3": ["parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=2", "train.microbatches=3",
+                           "train.global_batch=12"],
+    "llama bf16 tp=2 cp=2 seq 512": ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1", "model.arch=llama",
+                                     "train.dtype=bfloat16", "model.seq_len=512", "model.layers=2",
+                                     "train.global_batch=2"],
+    "llama bf16 moe top-1 every block ep=2 mb=3": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2",
+                                                   "model.arch=llama", "train.dtype=bfloat16", "model.num_experts=4",
+                                                   "model.moe_top_k=1", "model.moe_every=1", "model.ffn_hidden=256",
+                                                   "train.microbatches=3", "train.global_batch=12"],
+}
+ALL_JOBS = {**JOBS, **NEW_JOBS}
 UNDER, OVER = -0.03, 0.05
 
 
@@ -61,7 +96,7 @@ def _job(name: str):
     from megashard.train.config import JobConfig
 
     out = os.environ.get(ENV, tempfile.gettempdir())
-    return JobConfig.from_yaml(DEFAULT, BASE + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + JOBS[name])
+    return JobConfig.from_yaml(DEFAULT, BASE + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + ALL_JOBS[name])
 
 
 def check_measure_peaks(rank: int, world_size: int) -> None:
@@ -69,7 +104,7 @@ def check_measure_peaks(rank: int, world_size: int) -> None:
     from tests._live_bytes import LiveBytes
 
     peaks = {}
-    for name in JOBS:
+    for name in ALL_JOBS:
         with LiveBytes(warmup_steps=1) as live:
             train(_job(name))
         peaks[name] = live.peak
@@ -87,7 +122,7 @@ def measured():
             per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
         finally:
             os.environ.pop(ENV, None)
-    return {name: max(p[name] for p in per_rank) for name in JOBS}
+    return {name: max(p[name] for p in per_rank) for name in ALL_JOBS}
 
 
 def _predict(name: str):
@@ -99,7 +134,7 @@ def _predict(name: str):
     return estimate_memory(JobShape.from_job(job), sizes, job.model.recompute, job.model.distribute_saved_activations)
 
 
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize("name", list(ALL_JOBS))
 def test_predicted_peak_is_never_3_percent_under_nor_5_over(measured, name):
     est = _predict(name)
     real = measured[name]

@@ -44,14 +44,24 @@ class Hardware:
     """Fixed cost of one collective, microseconds."""
     fp32_factor: float = 0.5
     """Flop rate of float32 / float64 jobs relative to bf16 (TF32 tensor cores: about half)."""
+    op_overhead_us: float = 0.0
+    """Fixed cost of one block's forward and backward per microbatch beyond its flops (kernel launches, Python,
+    FSDP's hooks), microseconds; a third more with recompute. Small on a GPU (hidden behind the kernels), the
+    larger part of a small model's step on a CPU (:mod:`megashard.advisor.machine`)."""
+    device: str = "cuda"
+    """``cuda`` or ``cpu``: what the numbers describe (the report says which)."""
+    name: str = "H100 SXM"
+    """The device the numbers are of, for the report."""
 
     def __post_init__(self) -> None:
         import math
 
         from megashard.errors import ConfigError
 
-        for name in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us", "fp32_factor"):
+        for name in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us", "fp32_factor", "op_overhead_us"):
             v = getattr(self, name)
+            if name == "op_overhead_us" and v == 0:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or (
                     name in ("mfu", "fp32_factor") and v > 1):
                 rule = "in (0, 1]" if name in ("mfu", "fp32_factor") else "a positive number"
@@ -61,6 +71,19 @@ class Hardware:
         """Sustained flops per second for ``train.dtype``."""
         rate = self.tflops * 1e12 * self.mfu
         return rate if dtype == "bfloat16" else rate * self.fp32_factor
+
+    def describe(self, dtype: str) -> str:
+        """The numbers the step time assumes for a job in ``dtype``, in words (the report's ``assumed:`` line)."""
+        if self.device == "cpu":
+            compute = f"{self.name}: {self.tflops * 1e3:.1f} GFLOP/s {dtype} per rank × {self.mfu:g}"
+        elif dtype == "bfloat16":
+            compute = f"{self.name}: {self.tflops:g} TFLOP/s bf16 × {self.mfu:g} MFU"
+        else:
+            compute = (f"{self.name}: {self.tflops * self.fp32_factor:g} TFLOP/s {dtype} ({self.tflops:g} bf16 × "
+                       f"{self.fp32_factor:g}) × {self.mfu:g} MFU")
+        over = f", {self.op_overhead_us:g} µs per block and microbatch" if self.op_overhead_us else ""
+        return (f"{compute}{over}, {self.intra_gbps:g} GB/s in a node, {self.inter_gbps:g} GB/s across nodes, "
+                f"{self.latency_us:g} µs per collective")
 
 
 @dataclass
@@ -113,7 +136,7 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
     tp, cp, pp, vpp, dp = sz.tp, sz.cp, sz.pp, (sz.vpp or 1), sz.dp
     ep, etp = sz.ep, sz.expt_tp
     e = s.act_bytes
-    mb = s.mb(pp)
+    mb = s.mb(pp, sz.dp)
     h = s.hidden
     tokens = s.global_batch * s.seq  # per step, all ranks
     t = tokens // (dp * cp * mb)  # tokens per microbatch on a rank (before tp)
@@ -132,6 +155,8 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
         per_token = per_token * 8 // 6
     ranks_per_stage = tp * cp * dp
     compute = per_token * tokens / ranks_per_stage / hw.flops(s.dtype)
+    # the fixed cost of running a block once per microbatch (launches, Python, hooks), more with a recomputed forward
+    compute += hw.op_overhead_us * 1e-6 * (layers + 1) * mb * (4 / 3 if recompute else 1)
     bubble = (pp - 1) / (vpp * mb) if pp > 1 else 0.0
 
     pb = s.param_bytes

@@ -45,11 +45,13 @@ def suggestion_dict(r: Suggestion, top: int, source: str = "") -> dict[str, Any]
     return {
         "source": source, "world_size": r.world_size, "device_memory": r.device_memory,
         "ranks_per_node": r.ranks_per_node,
-        "hardware": {k: getattr(hw, k) for k in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us",
-                                                 "fp32_factor")},
+        "hardware": {k: getattr(hw, k) for k in ("device", "name", "tflops", "mfu", "intra_gbps", "inter_gbps",
+                                                 "latency_us", "fp32_factor", "op_overhead_us")},
+        "dtype": r.dtype, "notes": list(r.notes),
         "moe_imbalance": r.moe_imbalance,
         "considered": r.considered, "fit": len(r.ranked), "too_large": len(r.too_big), "refused": len(r.rejected),
         "measured": sum(c.measured_s is not None for c in r.ranked),
+        "kendall_tau": r.kendall_tau, "noise_notes": list(r.noise_notes),
         "ranked_by": ("measured step time, then the model" if any(c.measured_s is not None for c in r.ranked)
                       else "modelled step time"),
         "top": [candidate_dict(c) for c in r.ranked[:top]],
@@ -72,10 +74,10 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
     hw = r.hardware
     out = [f"megashard plan --suggest{': ' + source if source else ''} — {r.world_size} rank{'s' if r.world_size != 1 else ''}, "
            f"{_gib(r.device_memory)} GiB per device, {r.ranks_per_node} ranks per node",
-           f"assumed: {hw.tflops:g} TFLOP/s × {hw.mfu:g} MFU (fp32 × {hw.fp32_factor:g}), {hw.intra_gbps:g} GB/s in a "
-           f"node, {hw.inter_gbps:g} GB/s across nodes, {hw.latency_us:g} µs per collective (docs/advisor.md)"
+           f"assumed: {hw.describe(r.dtype)} (docs/advisor.md)"
            + (f"; MoE memory: the busiest ep rank gets at most {r.moe_imbalance:g}× its even share of routed tokens "
               "(--moe-imbalance)" if r.moe_imbalance else ""),
+           *(f"from: {n}" for n in r.notes),
            f"considered {r.considered:,} layouts: {len(r.ranked):,} fit, {len(r.too_big):,} too large, "
            f"{len(r.rejected):,} refused by the job's rules"]
     timed = [c for c in r.ranked if c.measured_s is not None]
@@ -84,6 +86,10 @@ def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejection
         out.append(f"ranked by step time measured on this machine for {len(timed)} layout(s) (meas_ms), fastest "
                    f"first; the other {len(r.ranked) - len(timed):,} by the model (step_ms, not calibrated)"
                    + (f"; {len(failed)} calibration run(s) failed (listed below)" if failed else ""))
+        if r.kendall_tau is not None:
+            out.append(f"Kendall's τ between the model's order and the measured order of the {len(timed)} timed: "
+                       f"{r.kendall_tau:+.2f} (1: the same order, -1: reversed)")
+        out += [f"noise: {n}" for n in r.noise_notes]
     else:
         out.append("ranked by the modelled step time (step_ms; not calibrated: --calibrate times the top layouts)")
     out.append("")

@@ -87,6 +87,14 @@ class Suggestion:
     considered: int = 0
     moe_imbalance: Optional[float] = None
     """The routing-imbalance bound MoE memory assumed (None: the job has no experts)."""
+    dtype: str = "float32"
+    """The job's ``train.dtype`` (the step time's flop rate is for it)."""
+    notes: list[str] = field(default_factory=list)
+    """Where the world size, ranks per node, device, memory and hardware came from (the CLI fills it)."""
+    kendall_tau: Optional[float] = None
+    """After calibration: Kendall's τ between the model's order and the measured order of the timed layouts."""
+    noise_notes: list[str] = field(default_factory=list)
+    """After calibration: neighbouring measured layouts whose difference is within the noise of their rounds."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -216,7 +224,7 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
     shape = shape or JobShape.from_job(job)
     v = _Validator(job, world_size)
     out = Suggestion(world_size, device_memory, ranks_per_node, hw,
-                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None)
+                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None, dtype=shape.dtype)
     for c in candidates(shape, world_size, ranks_per_node, job.train.pipeline_schedule):
         out.considered += 1
         try:
@@ -228,7 +236,7 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
         if problem:
             out.rejected.append((c, problem))
             continue
-        cs = dataclasses.replace(shape, microbatches=c.microbatches, schedule=c.schedule)
+        cs = dataclasses.replace(shape, microbatches=c.microbatches, micro_batch_size=None, schedule=c.schedule)
         c.memory = estimate_memory(cs, c.resolved, c.recompute, job.model.distribute_saved_activations and c.recompute)
         c.cost = estimate_step(cs, c.resolved, hw, ranks_per_node, c.recompute)
         (out.ranked if c.memory.peak <= device_memory else out.too_big).append(c)

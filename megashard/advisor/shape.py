@@ -33,6 +33,9 @@ class JobShape:
     dropout: float = 0.0
     global_batch: int = 16
     microbatches: int | None = None
+    micro_batch_size: int | None = None
+    """``train.micro_batch_size``: sequences per microbatch (the microbatches follow from dp) when microbatches is
+    None."""
     dtype: str = "float32"
     schedule: str = "1f1b"
     reshard_between_microbatches: bool = False
@@ -50,7 +53,8 @@ class JobShape:
         return cls(arch=m.arch, vocab=m.vocab_size, seq=m.seq_len, hidden=m.hidden, layers=m.layers, heads=m.heads,
                    ffn=m.ffn_hidden or default_ffn_hidden(m), num_experts=m.num_experts,
                    moe_every=m.moe_every, top_k=m.moe_top_k, tie=m.tie_embeddings, dropout=m.dropout,
-                   global_batch=t.global_batch, microbatches=t.microbatches, dtype=t.dtype,
+                   global_batch=t.global_batch, microbatches=t.microbatches,
+                   micro_batch_size=t.micro_batch_size, dtype=t.dtype,
                    schedule=t.pipeline_schedule, reshard_between_microbatches=t.reshard_between_microbatches,
                    synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0)
 
@@ -67,9 +71,14 @@ class JobShape:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
-    def mb(self, pp: int) -> int:
-        """Microbatches per step and data-parallel rank (train.microbatches, or pp when null)."""
-        return self.microbatches if self.microbatches is not None else pp
+    def mb(self, pp: int, dp: int | None = None) -> int:
+        """Microbatches per step and data-parallel rank: train.microbatches; else global_batch / (dp ·
+        micro_batch_size) when that is set (as :meth:`JobConfig.microbatches`); else pp."""
+        if self.microbatches is not None:
+            return self.microbatches
+        if self.micro_batch_size and dp:
+            return max(1, self.global_batch // (dp * self.micro_batch_size))
+        return pp
 
 
 def block_params(s: JobShape, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

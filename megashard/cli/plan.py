@@ -123,6 +123,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             f"  megashard plan {DEFAULT_CONFIG} launch.nnodes=1:4 launch.nproc_per_node=2   # elastic: every world size\n"
+            f"  megashard plan {DEFAULT_CONFIG} --suggest   # world, device and memory from the config and this machine\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
@@ -150,8 +151,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rank", "-r", type=int, default=0, metavar="R", help="rank whose groups are shown (default 0)")
     p.add_argument(
-        "--ranks-per-node", "-g", type=int, default=8, metavar="G",
-        help="ranks per node for the locality report and the picture; node = rank // G (default 8)",
+        "--ranks-per-node", "-g", type=int, default=None, metavar="G",
+        help="ranks per node for the locality report and the picture; node = rank // G (default 8; with --suggest "
+        "the config's launch.nproc_per_node)",
     )
     p.add_argument(
         "--format", "-f", choices=("table", "json"), default="table",
@@ -185,6 +187,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.suggest:
         return cmd_suggest(args)
     check_not_suggest(args)
+    if args.ranks_per_node is None:
+        args.ranks_per_node = 8
     from megashard.layout import GROUP_NAMES, RankLayout, locality
     from megashard.layout.plan import (MAX_LISTED_RANKS, build_plan, check_listing, default_names, format_table,
                                        plan_to_json)
