@@ -49,7 +49,14 @@ class Hardware:
     FSDP's hooks), microseconds; a third more with recompute. Small on a GPU (hidden behind the kernels), the
     larger part of a small model's step on a CPU (:mod:`megashard.advisor.machine`)."""
     device: str = "cuda"
-    """``cuda`` or ``cpu``: what the numbers describe (the report says which)."""
+    """``cuda`` or ``cpu``: what the numbers describe (the report says which). On ``cpu`` the processes share the
+    node's ``cores``: nothing overlaps (communication and compute take turns on the same cores) and a collective
+    of n ranks costs ``latency_us`` for each of its n - 1 ring steps, times ``(n / cores)³`` when its ranks are
+    more than the cores (each step waits for the scheduler to run every member; the power is fitted to step times
+    measured on 2 cores, docs/advisor.md), FSDP's all-gathers add to the step and its gradient reductions overlap
+    with the backward (gloo runs them on its own thread)."""
+    cores: int = 0
+    """CPU cores of a node (``device: cpu``; 0 otherwise)."""
     name: str = "H100 SXM"
     """The device the numbers are of, for the report."""
 
@@ -131,6 +138,13 @@ def axis_in_node(sz: Any, axis: str, ranks_per_node: int) -> bool:
     return span <= ranks_per_node and ranks_per_node % span == 0
 
 
+def collective_latency(hw: Hardware, n: int) -> float:
+    """Seconds of fixed cost of one collective over ``n`` ranks (:attr:`Hardware.device`)."""
+    if hw.device != "cpu" or not hw.cores:
+        return hw.latency_us * 1e-6
+    return hw.latency_us * 1e-6 * max(1, n - 1) * max(1.0, n / hw.cores) ** 3
+
+
 def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recompute: bool = False) -> StepCost:
     """Seconds of one step of ``s`` in layout ``sz`` (the slowest pipeline stage), and the bytes per axis."""
     tp, cp, pp, vpp, dp = sz.tp, sz.cp, sz.pp, (sz.vpp or 1), sz.dp
@@ -178,9 +192,12 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
     expert_params = moe_stage * numel(block_params(s, tp, True, ep, etp)[1]) if s.num_experts else 0
     n_fsdp = sz.dp_shard * cp
     gathers = 1 if (pp > 1 and not s.reshard_between_microbatches) else 2 * (mb if pp == 1 else mb)
+    gather_s = 0.0  # the all-gathers' share of the dp seconds: a forward waits for them (on a CPU: nothing hides them)
     if n_fsdp > 1:  # all-gather (compute dtype) per forward / backward, reduce-scatter (fp32) once
         b["dp"] = int((gathers * stage_params * e + stage_params * max(pb, 4)) * (n_fsdp - 1) / n_fsdp)
         count["dp"] = (gathers + 1) * (layers + 1)
+        gather_s = gathers * (layers + 1) * collective_latency(hw, n_fsdp) + (
+            gathers * stage_params * e * (n_fsdp - 1) / n_fsdp) / (hw.intra_gbps * 1e9)
     n_exp = max(1, sz.expt_dp // sz.dp_outer)
     if n_exp > 1 and expert_params:
         b["dp"] += int((gathers * expert_params * e + expert_params * max(pb, 4)) * (n_exp - 1) / n_exp)
@@ -202,13 +219,20 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
 
     comm: dict[str, float] = {}
     in_node: dict[str, bool] = {}
+    group = {"tp": tp, "cp": cp, "dp": n_fsdp, "dp_outer": sz.dp_outer, "ep": ep, "expt_tp": etp, "pp": 2}
     for a in AXES:
         inside = axis_in_node(sz, a, ranks_per_node)
         in_node[a] = inside
         bw = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
-        comm[a] = b[a] / bw + count[a] * hw.latency_us * 1e-6
+        comm[a] = b[a] / bw + count[a] * collective_latency(hw, group[a])
     exposed = sum(comm[a] for a in ("tp", "cp", "ep", "expt_tp", "pp"))
     overlapped = comm["dp"] + comm["dp_outer"]
-    seconds = compute * (1 + bubble) + exposed + max(0.0, overlapped - compute)
+    if hw.device == "cpu":
+        # the cores that compute also communicate: FSDP's all-gathers (each forward waits for one) add up; the
+        # gradient reductions run on gloo's thread while the next block's backward computes
+        # (measured: HSDP over 4 replicas, whose only collectives are those reductions, was the fastest layout)
+        seconds = compute * (1 + bubble) + exposed + min(gather_s, comm["dp"])
+    else:
+        seconds = compute * (1 + bubble) + exposed + max(0.0, overlapped - compute)
     return StepCost(seconds=seconds, compute_s=compute, bubble=bubble, comm_s=comm, bytes_by_axis=b,
                     in_node=in_node, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)

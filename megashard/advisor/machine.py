@@ -27,12 +27,14 @@ GPU_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("B200", 2250.0
               ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
               ("A10", 125.0), ("L4", 121.0), ("V100", 125.0), ("T4", 65.0))
 
-#: gloo between the processes of one host: bus bandwidth (GB/s per rank) and the cost of one collective (µs) when
-#: every rank has a core of its own; with more ranks than cores a collective waits for the scheduler as well
-#: (times ranks / cores). Measured on 2-core and 16-core Linux machines (benchmarks/advisor.py, calibration part).
-CPU_GLOO = {"gbps": 2.0, "latency_us": 120.0}
+#: gloo between the processes of one host: bus bandwidth (GB/s per rank) and the cost of one ring step of a
+#: collective (µs; :func:`megashard.advisor.cost.collective_latency` scales it with the group and the cores), and the
+#: fixed cost of one block's forward and backward per microbatch (µs: launches of ~50 small kernels, autograd, FSDP's
+#: hooks), both with each rank on a core of its own; more ranks than cores multiply them by ranks / cores. Fitted
+#: to step times of the default job's layouts measured on a 2-core machine (docs/advisor.md, "On CPU").
+CPU_GLOO = {"gbps": 2.0, "latency_us": 1500.0, "block_us": 2500.0}
 
-#: Share of the timed matrix multiply a CPU step sustains on the model's matmuls (small shapes, Python overhead).
+#: Share of the timed matrix multiply a CPU step sustains on the model's matmuls (small shapes).
 CPU_EFFICIENCY = 0.5
 
 
@@ -147,11 +149,12 @@ def cpu_hardware(ranks_per_node: int, dtype: str, flops_per_core: Optional[float
     share = min(float(threads), cores / ranks_per_node)  # more ranks than cores: each gets its share of one
     oversubscribed = max(1.0, ranks_per_node / cores)
     hw = Hardware(tflops=rate * share / 1e12, mfu=CPU_EFFICIENCY, intra_gbps=CPU_GLOO["gbps"] / oversubscribed,
-                  inter_gbps=min(CPU_GLOO["gbps"], 1.0), latency_us=CPU_GLOO["latency_us"] * oversubscribed,
-                  fp32_factor=1.0, device="cpu", name=f"CPU, {cores} core{'s' if cores != 1 else ''}")
+                  inter_gbps=min(CPU_GLOO["gbps"], 1.0), latency_us=CPU_GLOO["latency_us"], fp32_factor=1.0,
+                  op_overhead_us=CPU_GLOO["block_us"] * oversubscribed, device="cpu", cores=cores,
+                  name=f"CPU, {cores} core{'s' if cores != 1 else ''}")
     note = (f"cpu: {rate / 1e9:.1f} GFLOP/s {dtype} per core (a matmul timed here) × {share:g} core(s) per rank × "
-            f"{CPU_EFFICIENCY:g}; gloo {hw.intra_gbps:g} GB/s, {hw.latency_us:g} µs per collective "
-            f"({ranks_per_node} ranks on {cores} cores)")
+            f"{CPU_EFFICIENCY:g}; {hw.op_overhead_us:g} µs per block and microbatch; gloo {hw.intra_gbps:g} GB/s, "
+            f"{hw.latency_us:g} µs per ring step ({ranks_per_node} ranks on {cores} cores)")
     return hw, note
 
 

@@ -188,7 +188,9 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     all_u = sum(block_u) + root_u
     # the start of a block's backward: its output's gradient, the MLP's hidden gradients, the last weight's gradient
     f_loc = s.ffn // (etp if any(x for _, x in blocks) else tp)
-    start_bwd = (t * h + 2 * t * f_loc) * e + h * f_loc * pb
+    # (recompute: the block's backward runs on its recomputed tensors, which it frees as it goes: measured, the MLP's
+    # second hidden gradient comes after the first hidden activation is gone)
+    start_bwd = (t * h + (1 if recompute else 2) * t * f_loc) * e + h * f_loc * pb
     if s.arch != "gpt" and e != F32:
         # an RMSNorm computing in fp32 under bf16 differentiates in fp32: its input's gradient, x² and the scaled
         # terms (three [t, h] fp32 tensors) at once, twice the bytes of the bf16 tensors around it
@@ -257,6 +259,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                    {"gathered": g_fwd, "activations": a_all, "logits": head_extra, "grads": gr,
                     "transient": bufs + ag_buf})
         mine = stage_act[v] - (head_saved if st_last else 0)
+        rs_held = 0  # FSDP2 keeps the last reduce-scatter's input until the next block's post-backward
         for j in reversed(by_stage[v]):
             i = j  # the block's index among the rank's blocks, forward order
             if gathered_all:
@@ -273,16 +276,21 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             prefetch = block_u[i - 1] if i > 0 and not gathered_all else 0
             held = max(0, held - prefetch)
             start = start_bwd if not pairs_of[i] else t * h * e
-            moment(f"backward block {i}", state + g + before + start + gr + bufs + held,
-                   {"gathered": g, "activations": before + start, "grads": gr, "transient": bufs + held})
+            moment(f"backward block {i}", state + g + before + start + gr + bufs + held + rs_held,
+                   {"gathered": g, "activations": before + start, "grads": gr, "transient": bufs + held + rs_held})
             # its end: its new unsharded gradients (experts: each stacked weight's gradient arrives as a full-size
             # tensor, select_backward, summed into the weight's: one more of the largest alive meanwhile); reduced
             # now (no pipeline, mb = 1 or the last microbatch: autograd's gradients and the reduce-scatter's copy),
             # or accumulated into the unsharded ones kept
             new = block_g[i] + expert_big[i] * gb
-            end_g = gr + new + (block_g[i] if pp == 1 and (sync or mb == 1) and grad_state[i] != 1 else 0)
-            moment(f"backward block {i} (reduce-scatter)", state + g + after + end_g + bufs,
-                   {"gathered": g, "activations": after, "grads": end_g, "transient": bufs})
+            reduced = pp == 1 and (sync or mb == 1)
+            # reduced: autograd's gradients (or, on gloo, its reduce-scatter's copy of the input) and the input, and
+            # the sharded output
+            end_g = gr + new + ((block_g[i] if grad_state[i] != 1 else 0) + block_s[i] if reduced else 0)
+            # FSDP2 frees the block's unsharded parameters (reshard after backward) before it reduce-scatters
+            g_rs = g - (0 if gathered_all else block_u[i])
+            moment(f"backward block {i} (reduce-scatter)", state + g_rs + after + end_g + bufs,
+                   {"gathered": g_rs, "activations": after, "grads": end_g, "transient": bufs})
             if pairs_of[i]:
                 # the experts' backward, one expert after another (the first one's activations freed): each stacked
                 # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
@@ -293,9 +301,10 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                 work = (expert_n[i] + 2) * expert_big[i] * gb
                 grads_moe = (t * h + 2 * pairs_of[i] * h + per_expert * (s.ffn // etp)) * e
                 c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
-                moment(f"backward block {i} (experts)", state + g + c_act + gr + work + bufs,
-                       {"gathered": g, "activations": c_act, "grads": gr + work, "transient": bufs})
-            grad_state[i] = 2 if sync or (pp == 1 and mb == 1) else 1
+                moment(f"backward block {i} (experts)", state + g + c_act + gr + work + bufs + rs_held,
+                       {"gathered": g, "activations": c_act, "grads": gr + work, "transient": bufs + rs_held})
+            grad_state[i] = 2 if reduced else 1
+            rs_held = block_g[i] if reduced and n_dense > 1 else 0
         alive.pop((v, m), None)
         any_backward = True
     if pp > 1:  # the end of the step: every stage's unsharded gradients reduce-scattered, one block's copy at a time
