@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import time
 import traceback
 from collections import deque
@@ -35,6 +36,16 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _send(conn: Any, msg: Any) -> None:
+    """Plain pickle, not multiprocessing's: its pickler passes a tensor's storage as a file descriptor that dies with
+    the sending rank's process (which may end before the message is read)."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 class Channel:
     """A rank's end of its pipe to the broker: ``put`` a message, ``get`` one (waiting for its sender)."""
 
@@ -42,11 +53,11 @@ class Channel:
         self.conn = conn
 
     def put(self, key: tuple[int, int, int], value: Any) -> None:
-        self.conn.send(("put", key, value))
+        _send(self.conn, ("put", key, value))
 
     def get(self, key: tuple[int, int, int]) -> Any:
-        self.conn.send(("get", key))
-        reply = self.conn.recv()
+        _send(self.conn, ("get", key))
+        reply = _recv(self.conn)
         if reply[0] == "abort":
             raise Unmatched(key[0], key[1], key[2], reply[1])
         return reply[1]
@@ -70,11 +81,11 @@ def _child(rank: int, world_size: int, conn: Any, body: Callable[[int, Recorder]
         recorder.trace.error = _error_text(e)
     recorder.trace.seconds = time.perf_counter() - t0
     try:
-        conn.send(("done", recorder.trace))
+        _send(conn, ("done", recorder.trace))
     except Exception as e:  # noqa: BLE001 - a result that cannot be pickled: the trace without it
         recorder.trace.result = None
         recorder.trace.error = recorder.trace.error or f"its result could not be sent back: {e}"
-        conn.send(("done", recorder.trace))
+        _send(conn, ("done", recorder.trace))
         code = 1
     conn.close()
     os._exit(code)
@@ -160,7 +171,7 @@ class Broker:
                         src = key[0]
                         why = ("rank {} ended without sending it".format(src) if src in traces else
                                f"rank {src} waits itself" if src in blocked_on else f"rank {src} is not rehearsed")
-                        started[rank][1].send(("abort", why))
+                        _send(started[rank][1], ("abort", why))
                         running.add(rank)
                         waiting.pop(key)
                         blocked_on.pop(rank, None)
@@ -168,7 +179,7 @@ class Broker:
                 for conn in wait(list(by_conn)):
                     rank = by_conn[conn]
                     try:
-                        msg = conn.recv()
+                        msg = _recv(conn)
                     except (EOFError, OSError):
                         finish(rank, None)
                         continue
@@ -178,13 +189,13 @@ class Broker:
                         mailbox[key] = value
                         who = waiting.pop(key, None)
                         if who is not None:
-                            started[who][1].send(("msg", mailbox.pop(key)))
+                            _send(started[who][1], ("msg", mailbox.pop(key)))
                             blocked_on.pop(who, None)
                             running.add(who)
                     elif kind == "get":
                         key = msg[1]
                         if key in mailbox:
-                            conn.send(("msg", mailbox.pop(key)))
+                            _send(conn, ("msg", mailbox.pop(key)))
                         else:
                             waiting[key] = rank
                             blocked_on[rank] = key

@@ -241,13 +241,14 @@ class Recorder:
             return GroupInfo("world", "world", tuple(range(self.world_size)), ())
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
         names, layouts = layouts_of(pg)
-        if names:
-            name = names[0]
+        if names:  # megashard's communicators are one per rank set: the ranks name it (its names vary by layout)
+            name = min(names, key=lambda n: (len(n), n))  # dp (not dp_cp) for the one communicator of both
+            key = f"g:{_ranks_key(ranks)}"
         else:
             desc = str(getattr(pg, "group_desc", "") or "")
             name = desc.split(":", 1)[1] if desc.startswith("megashard:") else (desc if desc and
                                                                                  not desc.startswith("undefined") else "group")
-        key = f"{name}:{_ranks_key(ranks)}"
+            key = f"{name}:{_ranks_key(ranks)}"
         return GroupInfo(key, name, ranks, layouts)
 
     def _wrong_grid(self, pg: Any, info: GroupInfo) -> str:
