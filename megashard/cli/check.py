@@ -1,14 +1,12 @@
 """``megashard check SCRIPT [ARGS...] --world-size N``: every rank of a user's script rehearsed without peers, and
-their collectives checked against each other before the job is launched (:mod:`megashard.rehearse`).
-
-Also :func:`check_job`, what ``megashard run CONFIG --dry-run --collectives`` (and, when cheap, every ``megashard
-run``) calls for the training job.
+their collectives checked against each other before the job is launched (:mod:`megashard.rehearse`). The training
+job's own check is ``megashard run CONFIG --dry-run --collectives`` (:mod:`megashard.rehearse.before_launch`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from megashard.cli.options import add_command
 from megashard.errors import ConfigError
@@ -33,7 +31,7 @@ def add(sub: argparse._SubParsersAction) -> None:
             "cycle between ranks, no collective on a group of another layout than the current one. The script is "
             "any script torchrun would start (megashard.initialize, or Megatron's initialize_model_parallel after "
             "megashard.megatron.install()); it ends after --steps steps when it calls megashard.doctor.set_step, "
-            "else when it ends (or after --max-calls calls). Its output goes to --log-dir/rank_<r>.log. "
+            "else when it ends (or after --max-calls calls). Its output goes to --log-dir DIR/rank_<r>.log if given. "
             "See docs/rehearse.md."),
         epilog=(
             "examples:\n"
@@ -47,7 +45,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the script and its arguments")
     for flag, (dest, kind, default) in _OPTIONS.items():  # shown in --help; parsed from the remainder below
         p.add_argument(flag, dest=f"opt_{dest}", type=kind, default=None, metavar=dest.upper(),
-                       help=argparse.SUPPRESS if flag == "--log-dir" else f"(default {default})")
+                       help=f"(default {default})")
     p.set_defaults(handler=_cmd_check, parser=p)
 
 
@@ -110,38 +108,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from megashard.rehearse import Broker
     from megashard.rehearse.script import ScriptRank
 
-    import tempfile
+    log_dir = opts["log_dir"]
+    if log_dir is not None:
+        from megashard.outputs import check_output_dir
 
-    log_dir = opts["log_dir"] or tempfile.mkdtemp(prefix="megashard-check-")
+        check_output_dir("--log-dir", log_dir)
     body = ScriptRank(script, script_args, opts["world_size"], steps=opts["steps"], max_calls=opts["max_calls"],
                       log_dir=log_dir)
     print(f"megashard check: rehearsing {opts['world_size']} rank{'s' if opts['world_size'] != 1 else ''} of "
-          f"{script} (logs: {log_dir})", file=sys.stderr, flush=True)
+          f"{script}" + (f" (its output: {log_dir}/rank_<r>.log)" if log_dir else ""), file=sys.stderr, flush=True)
+    import time
+
+    from megashard.rehearse.before_launch import print_result
+
+    t0 = time.perf_counter()
     traces = Broker(body, opts["world_size"], jobs=opts["jobs"]).run()
-    return report(traces, "check", opts["format"])
-
-
-def report(traces: Any, command: str, fmt: str = "table", stream: Any = None) -> int:
-    """Check ``traces`` and print the result (``megashard <command>: OK: ...`` or the findings); 0 or 1."""
-    from megashard.rehearse.compare import check_traces
-
-    result = check_traces(traces)
-    out = stream or sys.stdout
-    if fmt == "json":
-        import json
-
-        out.write(json.dumps(result.as_dict()) + "\n")
-    else:
-        out.write("\n".join(f"megashard {command}: {line}" if i == 0 else line
-                            for i, line in enumerate(result.text().splitlines())) + "\n")
-    out.flush()
-    return 0 if result.ok else 1
-
-
-def check_job(job: Any, world_size: int, *, jobs: Optional[int] = None, stream: Any = None,
-              command: str = "run") -> int:
-    """Rehearse every rank of the training job ``job`` for ``world_size`` ranks and report (0 OK, 1 a problem)."""
-    from megashard.rehearse import rehearse_job
-
-    traces = rehearse_job(job, world_size, jobs=jobs)
-    return report(traces, command, stream=stream)
+    return print_result(traces, "check", opts["format"], seconds=time.perf_counter() - t0)

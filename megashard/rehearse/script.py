@@ -9,9 +9,12 @@ differences:
   gloo twin included): no peer is needed, no data moves;
 - every collective and point-to-point call is recorded (:mod:`megashard.rehearse.recorder`);
 - the rehearsal of a rank ends after ``steps`` training steps when the script tells the hang doctor its step
-  (``megashard.doctor.set_step``), after ``max_calls`` calls when given, and otherwise when the script ends.
+  (``megashard.doctor.set_step``), after ``max_calls`` calls when given, and otherwise when the script ends —
+  ``sys.exit`` included, whatever its code: the values a rehearsal computes are garbage (the fake backend moves no
+  data), so a script's own check of its results may fail; any other exception is the rank's error.
 
-The script's own output goes to ``<log_dir>/rank_<r>.log`` (not to the terminal: hundreds of ranks print). A script
+The script's own output goes to ``<log_dir>/rank_<r>.log`` when a directory is given, else nowhere (not to the
+terminal: hundreds of ranks print). A script
 that needs a GPU (``device="cuda"`` tensors) cannot be rehearsed on a machine without one.
 """
 from __future__ import annotations
@@ -32,13 +35,14 @@ class ScriptRank:
     ``rank`` of ``world_size`` (see the module docstring)."""
 
     def __init__(self, script: str, argv: Sequence[str], world_size: int, *, steps: int = 1,
-                 max_calls: Optional[int] = None, log_dir: Optional[str] = None):
+                 max_calls: Optional[int] = None, log_dir: Optional[str] = None, quiet: bool = True):
         self.script = os.path.abspath(script)
         self.argv = list(argv)
         self.world_size = world_size
         self.steps = steps
         self.max_calls = max_calls
         self.log_dir = log_dir
+        self.quiet = quiet
         from megashard.rehearse.job import preload
 
         preload(pipeline=False)
@@ -48,6 +52,8 @@ class ScriptRank:
 
         if self.log_dir is not None:
             _redirect(os.path.join(self.log_dir, f"rank_{rank}.log"))
+        elif self.quiet:
+            _redirect(os.devnull)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(self.world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "MEGASHARD_REHEARSAL": "1"})
@@ -60,9 +66,9 @@ class ScriptRank:
             runpy.run_path(self.script, run_name="__main__")
         except StopRehearsal:
             pass
-        except SystemExit as e:
+        except SystemExit as e:  # the end of the script: an exit code may come from a check of values (garbage here)
             if e.code not in (None, 0):
-                raise RuntimeError(f"the script exited with code {e.code}") from None
+                return f"the script exited with {e.code!r}"
         return None
 
     def _patch(self, rank: int, recorder: Any) -> None:
@@ -107,7 +113,8 @@ class ScriptRank:
 
 
 def _redirect(path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path != os.devnull:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
