@@ -69,6 +69,7 @@ from megashard._compat.funcol import (
     functional_collectives,
     functional_group_name,
     hook_functional_outputs,
+    process_group_by_name,
 )
 from megashard._compat.mesh import mesh_flatten, mesh_flattened_names, mesh_release_groups
 from megashard._compat.pipelining import pipeline_stage_class
@@ -80,7 +81,7 @@ __all__ = [
     "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
     "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
     "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes", "dtensor_local",
-    "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
+    "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives", "process_group_by_name",
     "functional_group_name", "group_timeout", "hook_functional_outputs", "install_numpy_free_object_collectives",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",

@@ -40,6 +40,9 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
                    help="MoE memory: the busiest ep rank gets at most X times the even share of routed tokens "
                         "(default 1.1; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
+    g.add_argument("--check-collectives", action="store_true",
+                   help="rehearse every rank of each listed layout and drop those whose collectives would hang "
+                        "(docs/rehearse.md)")
     g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
                    help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
@@ -60,6 +63,8 @@ def check_not_suggest(args: argparse.Namespace) -> None:
         used.append("--moe-imbalance")
     if getattr(args, "calibrate", None) is not None:
         used.append("--calibrate")
+    if getattr(args, "check_collectives", False):
+        used.append("--check-collectives")
     if getattr(args, "calibration", None) is not None:
         used.append("--calibration")
     if used:
@@ -181,6 +186,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     result = suggest(job, world, memory, ranks_per_node, hw, shape=shape)
     result.notes = notes
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
+    if args.check_collectives:  # the check before launch refuses none of the listed layouts (megashard.rehearse)
+        from megashard.rehearse.suggest_check import drop_refused
+
+        drop_refused(result, job, args.top, log=lambda line: print(f"megashard plan: {line}", file=sys.stderr))
     if args.calibrate is not None or args.calibration is not None:
         _calibrate(args, doc, job, result, source)
     if args.format == "json":

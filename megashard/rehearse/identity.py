@@ -1,0 +1,58 @@
+"""Which layout a process group belongs to: every group megashard makes is held by a
+:class:`~megashard.state.ParallelState` (or a module's state of a multi-module job), and a state is a layout.
+
+    names, layouts = layouts_of(pg)       # (("dp",), ("layout tp2·dp4 on ranks 0-7",)), or ((), ()) for a group
+                                          # no live state holds
+    current_layout()                      # the label of the current state (megashard.get_parallel_state())
+
+Communicators are pooled (:mod:`megashard.state.pool`): two layouts with one rank set share one group, which then
+belongs to both. A collective on a group of a layout other than the current one — a ``pg_collection`` of another
+grid, another module's groups — is named by the rehearsal (:mod:`megashard.rehearse.recorder`).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["current_layout", "layout_label", "layouts_of"]
+
+
+def layout_label(state: Any) -> str:
+    """``layout tp2·pp2·dp2 on ranks 0-7``: the sizes above 1 of a state's layout and its ranks."""
+    sizes = state.sizes.as_dict() if hasattr(state.sizes, "as_dict") else {}
+    shown = [f"{k}{v}" for k, v in sizes.items() if isinstance(v, int) and v > 1 and k in
+             ("tp", "cp", "pp", "vpp", "dp_outer", "dp_shard", "ep", "expt_tp")]
+    first = getattr(state, "rank_offset", 0)
+    return f"layout {'·'.join(shown) or 'dp1'} on ranks {first}-{first + state.world_size - 1}"
+
+
+def _states() -> list:
+    from megashard.state.pool import _USERS
+
+    return [s for s in list(_USERS) if not getattr(s, "_destroyed", False) and hasattr(s, "named_groups")]
+
+
+def layouts_of(pg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """megashard's names of ``pg`` and the labels of the live layouts that hold it (empty: no state holds it)."""
+    names: list[str] = []
+    layouts: list[str] = []
+    for state in _states():
+        try:
+            groups = state.named_groups()
+        except Exception:  # noqa: BLE001 - a state being destroyed
+            continue
+        mine = [n for n, g in groups.items() if g is pg]
+        if mine:
+            names += [n for n in mine if n not in names]
+            label = layout_label(state)
+            if label not in layouts:
+                layouts.append(label)
+    return tuple(names), tuple(layouts)
+
+
+def current_layout() -> Optional[str]:
+    """The label of the current ParallelState, or None when megashard is not initialised."""
+    import megashard.state as ms
+
+    if not ms.is_initialized():
+        return None
+    return layout_label(ms.get_parallel_state())
