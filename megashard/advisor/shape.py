@@ -41,6 +41,8 @@ class JobShape:
     reshard_between_microbatches: bool = False
     synthetic_sequences: int = 0
     """Sequences of synthetic data every rank holds in memory (int64; 0 for memory-mapped data)."""
+    branching: int = 4
+    """``data.branching``: successors of each token in the synthetic data's Markov chain (its set-up's tables)."""
     moe_imbalance: float = 1.1
     """The routing-imbalance bound of MoE memory: the busiest ep rank's experts receive at most this multiple of
     the even share of routed (token, expert) pairs (1: perfectly balanced; the worst case is
@@ -56,7 +58,7 @@ class JobShape:
                    global_batch=t.global_batch, microbatches=t.microbatches,
                    micro_batch_size=t.micro_batch_size, dtype=t.dtype,
                    schedule=t.pipeline_schedule, reshard_between_microbatches=t.reshard_between_microbatches,
-                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0,
+                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0, branching=d.branching,
                    moe_imbalance=default_moe_imbalance(m.moe_top_k))
 
     @property

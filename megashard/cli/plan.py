@@ -175,6 +175,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="largest number of ranks drawn; bigger worlds show their first whole nodes (default 512)",
     )
     p.add_argument("--strict", action="store_true", help="exit 1 when the locality report has warnings")
+    p.add_argument("--memory", action="store_true",
+                   help="also the memory per rank of this layout: modelled, traced (one step of the rank that peaks "
+                        "on the fake backend, live tensor bytes) and host memory (peak RSS growth); docs/advisor.md")
     from megashard.cli.suggest import add_suggest_options
 
     add_suggest_options(p)
@@ -274,6 +277,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         refusal = run_refusal(job, sizes, launch_world_size(job.to_dict()))
         if refusal:
             plan["run_refuses"] = refusal
+    memory_lines: list[str] = []
+    if args.memory:
+        if job is None:
+            raise ConfigError("--memory sizes a job's memory: give a job config with a model section (e.g. "
+                              f"{DEFAULT_CONFIG}), not only a layout")
+        from megashard.cli.suggest import layout_memory
+
+        plan["memory"], memory_lines = layout_memory(job, sizes, refusal, trace=not args.no_trace)
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")
@@ -282,6 +293,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         table = format_table(plan, args.max_members, source)
         if placement is not None:
             table += "\n".join(format_placement(placement)) + "\n"
+        if memory_lines:
+            table += "\n".join(memory_lines) + "\n"
         sys.stdout.write(table)
     if refusal:
         print(f"megashard plan: warning: {refusal}", file=sys.stderr)

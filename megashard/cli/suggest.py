@@ -39,10 +39,15 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
     g.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
                    help="MoE memory: the busiest ep rank gets at most X times the even share of routed tokens "
-                        "(default 1.1; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
+                        "(default 1.1, top-1 routing 1.3; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
     g.add_argument("--check-collectives", action="store_true",
                    help="rehearse every rank of each listed layout and drop those whose collectives would hang "
                         "(docs/rehearse.md)")
+    g.add_argument("--trace", type=int, default=5, metavar="K",
+                   help="trace the memory of the K best layouts (default 5; 0 = none): one training step of the rank "
+                        "that peaks, on the fake backend, its live bytes counted; a traced figure decides whether a "
+                        "layout fits (with plan --memory: the layout's own)")
+    g.add_argument("--no-trace", action="store_true", help="no tracing (the same as --trace 0)")
     g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
                    help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
@@ -67,6 +72,8 @@ def check_not_suggest(args: argparse.Namespace) -> None:
         used.append("--check-collectives")
     if getattr(args, "calibration", None) is not None:
         used.append("--calibration")
+    if getattr(args, "trace", 5) != 5 and not getattr(args, "memory", False):
+        used.append("--trace")
     if used:
         raise ConfigError(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --suggest (the layout advisor); add --suggest or drop them")
 
@@ -185,6 +192,14 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         shape = dataclasses.replace(JobShape.from_job(job), moe_imbalance=args.moe_imbalance)
     result = suggest(job, world, memory, ranks_per_node, hw, shape=shape)
     result.notes = notes
+    check_count("--trace", args.trace, 0, 64, note=" (layouts to trace)")
+    if args.trace and not args.no_trace and result.ranked:
+        from megashard.advisor.trace import certify
+
+        print(f"megashard plan: tracing the memory of the {min(args.trace, len(result.ranked))} best layout(s): one "
+              "step of the rank that peaks, on the fake backend", file=sys.stderr, flush=True)
+        certify(result, doc, job.name, args.trace,
+                log=lambda line: print(f"megashard plan: {line}", file=sys.stderr, flush=True))
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
     if args.check_collectives:  # the check before launch refuses none of the listed layouts (megashard.rehearse)
         from megashard.rehearse.suggest_check import drop_refused
@@ -272,3 +287,43 @@ def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source
                              args.calibrate_rounds, job.parallel.device)
             print(f"megashard plan: wrote {args.calibration} (timings of {len(timings)} layout(s))", file=sys.stderr)
     apply_timings(result, timings)
+
+
+def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = True) -> tuple[dict, list[str]]:
+    """``megashard plan CONFIG --memory``: the memory per rank of the config's own layout — modelled, traced (every
+    pipeline rank's first rank, at most 4; :mod:`megashard.advisor.trace`) and host — as JSON-ready data and lines."""
+    from megashard.advisor.host import estimate_host
+    from megashard.advisor.machine import job_device
+    from megashard.advisor.memory import estimate_memory
+    from megashard.advisor.report import memory_lines
+    from megashard.advisor.search import Candidate
+    from megashard.advisor.shape import JobShape
+
+    shape = JobShape.from_job(job)
+    m = job.model
+    c = Candidate({}, m.recompute, job.microbatches(sizes.pp, sizes.dp), job.train.pipeline_schedule)
+    c.memory = estimate_memory(shape, sizes, m.recompute, m.distribute_saved_activations and m.recompute)
+    device = job_device(job.parallel)
+    lines = []
+    if refusal:
+        lines.append(f"memory per rank, traced: not traced (megashard run would refuse this job: {refusal})")
+    elif trace:
+        from megashard.advisor.trace import trace_budget, trace_memory
+
+        if c.memory.peak > trace_budget():
+            lines.append(f"memory per rank, traced: not traced (its modelled {c.memory.peak / 2**30:.2f} GiB is more "
+                         "than half of this machine's free memory)")
+        else:
+            pp_ranks = sorted({c.memory.rank, 0, sizes.pp - 1}) if sizes.pp > 4 else list(range(sizes.pp))
+            peaks = trace_memory(job, sizes.world_size, pp_ranks)
+            good = [p for p in peaks if p.peak is not None]
+            c.traced = max(good, key=lambda p: p.peak) if good else None
+            c.trace_error = None if good else (peaks[0].error if peaks else "no rank traced")
+    c.host = estimate_host(shape, device, c.traced.peak if c.traced is not None else c.memory.peak)
+    unit = ("MiB", 1 << 20) if c.memory.peak < (1 << 30) // 10 else ("GiB", 1 << 30)
+    lines = [""] + memory_lines(c, unit) + lines
+    data = {"modelled_bytes": c.memory.peak, "phase": c.memory.phase, "pp_rank": c.memory.rank,
+            "parts": c.memory.parts, "traced_bytes": c.traced.peak if c.traced is not None else None,
+            "traced_rank": c.traced.rank if c.traced is not None else None, "trace_error": c.trace_error,
+            "host_bytes": c.host.peak, "host_parts": c.host.parts, "device": device}
+    return data, lines
