@@ -269,3 +269,40 @@ def check_cp_block_keeps_gathered_keys_and_values(rank: int, world_size: int) ->
 def test_cp_block_keeps_gathered_keys_and_values():
     spawn_checks([check_cp_block_keeps_gathered_keys_and_values], 2, timeout=120).assert_ok(
         "check_cp_block_keeps_gathered_keys_and_values")
+
+
+# ---------------------------------------------------------------------------------------------- traced peaks
+#: Jobs whose traced peak is known to miss the measured one by more than 1% (docs/advisor.md, "Traced"): the experts of
+#: MoE jobs over ep > 1 ranks receive no peer's tokens on the fake backend (TracedPeak.partial; the modelled figure
+#: decides for them), and interleaved pipelines, whose gloo sends hold buffers the fake backend does not.
+TRACE_KNOWN = {n for n, o in ALL_JOBS.items() if any(x.startswith("parallel.ep=") and x != "parallel.ep=1" for x in o)}
+TRACE_KNOWN |= {"pp=2 vpp=2 interleaved", "llama tp=2 pp=2 vpp=3 mb=4"}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """Every job's traced peak (the largest of its pipeline ranks' first ranks): one step of each on the fake backend,
+    after a warm-up step, counted by the same LiveBytes as the measured runs."""
+    from megashard.advisor.trace import trace_memory
+
+    out = {}
+    for name in ALL_JOBS:
+        peaks = trace_memory(_job(name), WORLD)
+        assert all(p.peak is not None for p in peaks), (name, [p.error for p in peaks])
+        out[name] = max(peaks, key=lambda p: p.peak)
+    return out
+
+
+@pytest.mark.parametrize("name", list(ALL_JOBS))
+def test_traced_peak_equals_the_measured_one(measured, traced, name):
+    t, real = traced[name], measured[name]
+    err = t.peak / real - 1
+    print(f"{name:<45} traced {t.peak / 2**20:8.3f} MiB  measured {real / 2**20:8.3f} MiB  {err:+.2%}")
+    if name in TRACE_KNOWN:
+        if t.partial:  # the pairs peers would send are missing: never more than the real peak
+            assert err <= 0.01, f"{name}: traced {t.peak:,} B, measured {real:,} B: {err:+.1%}"
+        else:
+            assert abs(err) < 0.05, f"{name}: traced {t.peak:,} B, measured {real:,} B: {err:+.1%}"
+        return
+    assert not t.partial
+    assert abs(err) <= 0.01, f"{name}: traced {t.peak:,} B (rank {t.rank}), measured {real:,} B: {err:+.2%}"

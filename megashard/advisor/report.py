@@ -36,8 +36,9 @@ def memory_lines(c: Candidate, unit: tuple[str, int] = ("GiB", GIB)) -> list[str
     if c.traced is not None:
         t = c.traced
         out.append(f"memory per rank, traced: {t.peak / size:.2f} {name} (rank {t.rank}, pp rank {t.pp_rank}: one step "
-                   f"on the fake backend, live tensor bytes; {t.peak / m.peak - 1:+.1%} against the model) — the figure "
-                   "that decides whether it fits")
+                   f"on the fake backend, live tensor bytes; {t.peak / m.peak - 1:+.1%} against the model) — "
+                   + ("partial: experts over ep ranks receive no peer's tokens here, so the modelled figure decides"
+                      if t.partial else "the figure that decides whether it fits"))
     elif c.trace_error:
         out.append(f"memory per rank, traced: failed ({c.trace_error}); the modelled figure decides")
     if c.host is not None:

@@ -55,9 +55,10 @@ class Candidate:
     @property
     def peak(self) -> int:
         """The peak that decides whether it fits: traced when traced, else modelled."""
+        modelled = self.memory.peak if self.memory is not None else 0
         if self.traced is not None:
-            return self.traced.peak
-        return self.memory.peak if self.memory is not None else 0
+            return max(self.traced.peak, modelled) if self.traced.partial else self.traced.peak
+        return modelled
 
     def label(self) -> str:
         """``tp=2 cp=1 pp=4 vpp=2 dp_outer=1 dp_shard=8 ep=1 expt_tp=1 recompute=off mb=8``."""

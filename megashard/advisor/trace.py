@@ -8,9 +8,11 @@ The fast model (:mod:`megashard.advisor.memory`) ranks hundreds of layouts; the 
 :class:`~megashard.advisor.live_bytes.LiveBytes` counts the bytes of its live tensor storages exactly as the tests and
 ``benchmarks/advisor.py`` measure a real gloo run: a warm-up step, then the peak of the second step (the steady
 state, the optimizer's state present), plus the synthetic data the job holds (``num_sequences · (seq + 1) · 8``;
-the rehearsal makes a smaller set of its own). Where the two differ: MoE ranks receive no tokens from peers that do
-not exist (the rehearsal's routing is the rank's own, spread as the fake backend leaves it), and a GPU job is traced
-with the CPU kernels (what CUDA kernels save can differ; docs/advisor.md).
+the rehearsal makes a smaller set of its own); on a CPU job, each reduce-scatter also holds a copy of its input
+while it runs, as gloo does. Where the two differ: with experts over ep > 1 ranks the fake backend delivers no
+peer's tokens, so the pairs a rank's experts receive are missing (``TracedPeak.partial``: the modelled figure, with
+its routing-imbalance bound, decides there), and a GPU job is traced with the CPU kernels (what CUDA kernels save can
+differ; docs/advisor.md).
 
 The rehearsal allocates what the rank allocates: a layout is traced only when its modelled peak fits this machine
 (:func:`trace_budget`); the report says which were traced and how long it took.
@@ -34,6 +36,9 @@ class TracedPeak:
     """The op after which the peak was reached."""
     seconds: float = 0.0
     error: Optional[str] = None
+    partial: bool = False
+    """MoE with ep > 1: the fake backend delivers no peer's tokens, so the pairs this rank's experts receive are
+    missing; the modelled figure (with the routing-imbalance bound) decides for such a layout."""
 
 
 def trace_budget() -> int:
@@ -93,7 +98,8 @@ def trace_memory(job: Any, world_size: int, pp_ranks: Optional[list[int]] = None
             out.append(TracedPeak(g, r, None, seconds=seconds, error=str(why).strip().splitlines()[-1][:200]))
             continue
         peak, op = t.result
-        out.append(TracedPeak(g, r, peak + data, op, t.seconds or seconds))
+        partial = job.model.num_experts > 0 and sizes.ep > 1
+        out.append(TracedPeak(g, r, peak + data, op, t.seconds or seconds, partial=partial))
     return out
 
 
@@ -193,7 +199,7 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None) -> Non
         if log is not None:
             what = f"{c.traced.peak / 2**20:.2f} MiB (rank {c.traced.rank})" if c.traced else f"failed: {c.trace_error}"
             log(f"traced {c.label()}: {what}")
-        if c.traced is not None and c.traced.peak > result.device_memory:
+        if c.traced is not None and c.peak > result.device_memory:
             result.ranked.pop(i)
             result.too_big.append(c)
             result.too_big.sort(key=lambda x: x.memory.peak)

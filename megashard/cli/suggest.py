@@ -250,6 +250,10 @@ def _check_calibration_file(args: argparse.Namespace) -> None:
     import os
 
     if args.calibrate is None:
+        if args.calibration is not None:  # ranks by a file: it must be one of ours, read before anything runs
+            from megashard.advisor.calibrate import _read
+
+            _read(args.calibration, "--calibration")
         return
     if args.world_size > args.ranks_per_node:
         raise ConfigError(f"--calibrate times the layouts on this machine, as one node: --world-size {args.world_size} "
