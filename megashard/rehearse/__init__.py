@@ -9,7 +9,7 @@ collective and point-to-point call it issues recorded (group, peers, dtype, shap
 Each rank runs in a process forked from the caller's (:mod:`~megashard.rehearse.broker`), ``jobs`` at a time, so
 world sizes of hundreds run on a laptop. Modules: ``recorder`` (what a rank calls), ``broker`` (the processes and
 the mailbox of point-to-point messages), ``job`` (a rank of ``megashard run``'s job), ``script`` (a rank of a user's
-script), ``identity`` (which layout a group belongs to), ``compare`` (the ranks' calls checked against each other:
+script), ``compare`` (the ranks' calls checked against each other:
 :func:`~megashard.rehearse.compare.check_traces`), ``report`` (the words). See docs/rehearse.md.
 """
 from __future__ import annotations

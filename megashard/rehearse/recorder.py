@@ -234,7 +234,7 @@ class Recorder:
         return info
 
     def _describe(self, pg: Any) -> GroupInfo:
-        from megashard.rehearse.identity import layouts_of
+        from megashard.state.identity import layouts_of
 
         world = dist.group.WORLD
         if pg is world:
@@ -253,10 +253,10 @@ class Recorder:
 
     def _wrong_grid(self, pg: Any, info: GroupInfo) -> str:
         """A note when ``pg`` is a group of a megashard layout that is not the current one (see
-        :func:`megashard.rehearse.identity.current_layout`)."""
+        :func:`megashard.state.identity.current_layout`)."""
         if not info.layouts:
             return ""
-        from megashard.rehearse.identity import current_layout
+        from megashard.state.identity import current_layout
 
         cur = current_layout()
         if cur is None or cur in info.layouts or pg is dist.group.WORLD:

@@ -7,13 +7,14 @@
 
 Communicators are pooled (:mod:`megashard.state.pool`): two layouts with one rank set share one group, which then
 belongs to both. A collective on a group of a layout other than the current one — a ``pg_collection`` of another
-grid, another module's groups — is named by the rehearsal (:mod:`megashard.rehearse.recorder`).
+grid, another module's groups — is named by the rehearsal (:mod:`megashard.rehearse.recorder`) and, at run time,
+by the hang doctor (:mod:`megashard.doctor.intercept`: :func:`foreign_group_note`).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["current_layout", "layout_label", "layouts_of"]
+__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of"]
 
 
 def layout_label(state: Any) -> str:
@@ -56,3 +57,19 @@ def current_layout() -> Optional[str]:
     if not ms.is_initialized():
         return None
     return layout_label(ms.get_parallel_state())
+
+
+def foreign_group_note(pg: Any) -> str:
+    """``a group of layout X while layout Y is current`` when ``pg`` belongs only to layouts other than the current
+    one; "" otherwise (the default group, a group of the current layout, a group no layout holds)."""
+    import torch.distributed as dist
+
+    if pg is None or pg is dist.group.WORLD:
+        return ""
+    cur = current_layout()
+    if cur is None:
+        return ""
+    _, layouts = layouts_of(pg)
+    if not layouts or cur in layouts:
+        return ""
+    return f"a group of {layouts[0]} while {cur} is current"
