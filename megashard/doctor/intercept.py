@@ -144,43 +144,6 @@ def _recorded(recorder: Any, spec: CallSpec, args: tuple, kwargs: dict) -> Any:
         _TLS.depth = 0
 
 
-_FOREIGN: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, note): groups the doctor does not watch, looked up once
-_FOREIGN_SAID: set = set()
-
-
-def _note_foreign(doctor: Any, group: Any, name: str, args: tuple, kwargs: dict, tensor_param: Any,
-                  idx: dict) -> None:
-    """A call on a group the doctor does not watch: when it is a group of another megashard layout than the current
-    one (a ``pg_collection`` of another grid: :func:`megashard.state.identity.foreign_group_note`), say so once per
-    group and operation — the call itself may complete, with a silently wrong result."""
-    hit = _FOREIGN.get(id(group))
-    if hit is None or hit[0] is not group:
-        try:
-            from megashard.state.identity import foreign_group_note
-
-            hit = _FOREIGN[id(group)] = (group, foreign_group_note(group))
-        except Exception:  # noqa: BLE001 - the doctor must never take a job down
-            hit = _FOREIGN[id(group)] = (group, "")
-    note = hit[1]
-    if not note or (id(group), name) in _FOREIGN_SAID:
-        return
-    _FOREIGN_SAID.add((id(group), name))
-    try:
-        ranks = dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001
-        ranks = []
-    sig = _sig(_arg(args, kwargs, tensor_param, idx["tensor"])) if tensor_param else ""
-    import os
-    import sys
-
-    f = sys._getframe(2)
-    while f is not None and (os.sep + "torch" + os.sep) in f.f_code.co_filename:
-        f = f.f_back
-    where = f" ({f.f_code.co_filename}:{f.f_lineno})" if f is not None else ""
-    doctor._say(f"megashard doctor: rank {doctor.ledger.rank} calls {name} {sig} on the group of ranks {ranks}, {note}"
-                f"{where}")
-
-
 def _wrap(name: str, fn: Callable) -> Callable:
     p2p = name in POINT_TO_POINT
     idx = {"group": _param_index(fn, "group"), "async": _param_index(fn, "async_op"),
@@ -207,8 +170,11 @@ def _wrap(name: str, fn: Callable) -> Callable:
         ledger = doctor.ledger
         track = ledger.tracks.get(0 if group is None else id(group))
         if track is None or (group is not None and track.pg is not group):
-            if group is not None:
-                _note_foreign(doctor, group, name, args, kwargs, tensor_param, idx)
+            if group is not None:  # a group of another layout's grid? (named once: megashard.doctor.foreign)
+                from megashard.doctor.foreign import note_foreign
+
+                note_foreign(doctor, group, name, _sig(_arg(args, kwargs, tensor_param, idx["tensor"]))
+                             if tensor_param else "")
             return fn(*args, **kwargs)
         if ops is not None:
             parts = tuple(("send" if "send" in getattr(o.op, "__name__", "") else "recv", int(o.peer)) for o in ops)
@@ -431,8 +397,11 @@ def _install_functional() -> None:
 
 def uninstall() -> None:
     """Put torch.distributed's own functions back."""
+    from megashard.doctor.foreign import forget
+
     _ACTIVE[0] = None
     _RECORDER[0] = None
+    forget()
     for name, fn in _ORIGINALS.items():
         if name == "Work.wait":
             dist.Work.wait = fn

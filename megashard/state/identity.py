@@ -52,11 +52,11 @@ def layouts_of(pg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def current_layout() -> Optional[str]:
     """The label of the current ParallelState, or None when megashard is not initialised."""
-    import megashard.state as ms
+    from megashard.state.current import get_parallel_state, is_initialized
 
-    if not ms.is_initialized():
+    if not is_initialized():
         return None
-    return layout_label(ms.get_parallel_state())
+    return layout_label(get_parallel_state())
 
 
 def foreign_group_note(pg: Any) -> str:
