@@ -14,7 +14,21 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of"]
+import weakref
+
+__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of", "register_grid"]
+
+_GRIDS: "weakref.WeakSet" = weakref.WeakSet()  # live HyperCommGrids (Megatron's pg_collection grids)
+
+
+def register_grid(grid: Any) -> None:
+    """A :class:`~megashard.state.hyper_grid.HyperCommGrid` whose groups belong to it (its constructor calls this)."""
+    _GRIDS.add(grid)
+
+
+def _grid_label(grid: Any) -> str:
+    dims = "·".join(f"{n}{s}" for n, s in zip(grid.dim_names, grid.shape) if s > 1) or "1"
+    return f"grid {dims} on ranks {grid.rank_offset}-{grid.rank_offset + grid.size - 1}"
 
 
 def layout_label(state: Any) -> str:
@@ -45,6 +59,13 @@ def layouts_of(pg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if mine:
             names += [n for n in mine if n not in names]
             label = layout_label(state)
+            if label not in layouts:
+                layouts.append(label)
+    for grid in list(_GRIDS):
+        mine = [k if isinstance(k, str) else "-".join(k[1]) for k, g in getattr(grid, "_pgs", {}).items() if g is pg]
+        if mine:
+            names += [n for n in mine if n not in names]
+            label = _grid_label(grid)
             if label not in layouts:
                 layouts.append(label)
     return tuple(names), tuple(layouts)
