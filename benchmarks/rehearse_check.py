@@ -56,6 +56,13 @@ def _load() -> str:
         return "?"
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the ranks' processes): what the check costs whatever
+    the machine's load; on an idle machine with ``--jobs`` cores the wall time is about this / jobs."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _job(config: str, overrides: list[str]):
     from megashard.train.config import JobConfig
 
@@ -66,13 +73,15 @@ def _check(job, world: int, jobs: int) -> dict:
     from megashard.rehearse import rehearse_job
     from megashard.rehearse.compare import check_traces
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     traces = rehearse_job(job, world, jobs=jobs)
     t1 = time.perf_counter()
     result = check_traces(traces)
+    cpu = _cpu() - c0
     return {"ok": result.ok, "ranks": result.ranks, "groups": result.groups, "calls": result.calls,
             "rehearse_s": round(t1 - t0, 2), "compare_s": round(time.perf_counter() - t1, 3),
-            "seconds": round(time.perf_counter() - t0, 2),
+            "seconds": round(time.perf_counter() - t0, 2), "cpu_s": round(cpu, 2),
+            "idle_estimate_s": round(cpu / jobs, 2),
             "findings": [f.line for f in result.findings][:3]}
 
 
@@ -87,7 +96,7 @@ def baseline_rank_s(job, world: int) -> float:
     if body.sizes.pp > 1:
         return float("nan")
 
-    def run(q):
+    def run(conn):
         import torch
 
         torch.set_num_threads(1)
@@ -98,14 +107,15 @@ def baseline_rank_s(job, world: int) -> float:
 
         t0 = time.perf_counter()
         body(0, NoRecorder())
-        q.put(time.perf_counter() - t0)
+        conn.send(time.perf_counter() - t0)
+        conn.close()
         os._exit(0)
 
     ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=run, args=(q,))
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=run, args=(child,))
     p.start()
-    s = q.get(timeout=600)
+    s = parent.recv()
     p.join()
     return s
 
@@ -136,12 +146,14 @@ def main() -> int:
         r = _check(job, world, args.jobs)
         r.update(kind=kind, name=name, world=world, layout=label, load=_load())
         rows.append(r)
-        print(f"{kind:8} {name:28} {world:5} {label[:60]:60} {'OK' if r['ok'] else 'FINDING':8} {r['ranks']:5} "
-              f"{r['calls']:7} {r['seconds']:8.1f}s  load {r['load']}", flush=True)
+        print(f"{kind:8} {name:24} {world:5} {label[:58]:58} {'OK' if r['ok'] else 'FINDING':8} {r['ranks']:5} "
+              f"{r['calls']:7} {r['seconds']:8.1f}s {r['cpu_s']:8.1f}s {r['idle_estimate_s']:8.1f}s  load {r['load']}",
+              flush=True)
         if not r["ok"]:
             print("         " + "\n         ".join(r["findings"]), flush=True)
 
-    print(f"{'KIND':8} {'NAME':28} {'WORLD':>5} {'LAYOUT':60} {'RESULT':8} {'RANKS':>5} {'CALLS':>7} {'TIME':>9}")
+    print(f"{'KIND':8} {'NAME':24} {'WORLD':>5} {'LAYOUT':58} {'RESULT':8} {'RANKS':>5} {'CALLS':>7} {'WALL':>9} "
+          f"{'CPU':>9} {'IDLE~':>9}   (IDLE~ = CPU / jobs: the wall time on an idle machine with that many cores)")
     if not args.skip_sweep:
         for config in args.configs.split(","):
             for w in worlds:

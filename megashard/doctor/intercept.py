@@ -170,6 +170,11 @@ def _wrap(name: str, fn: Callable) -> Callable:
         ledger = doctor.ledger
         track = ledger.tracks.get(0 if group is None else id(group))
         if track is None or (group is not None and track.pg is not group):
+            if group is not None:  # a group of another layout's grid? (named once: megashard.doctor.foreign)
+                from megashard.doctor.foreign import note_foreign
+
+                note_foreign(doctor, group, name, _sig(_arg(args, kwargs, tensor_param, idx["tensor"]))
+                             if tensor_param else "")
             return fn(*args, **kwargs)
         if ops is not None:
             parts = tuple(("send" if "send" in getattr(o.op, "__name__", "") else "recv", int(o.peer)) for o in ops)
@@ -392,8 +397,11 @@ def _install_functional() -> None:
 
 def uninstall() -> None:
     """Put torch.distributed's own functions back."""
+    from megashard.doctor.foreign import forget
+
     _ACTIVE[0] = None
     _RECORDER[0] = None
+    forget()
     for name, fn in _ORIGINALS.items():
         if name == "Work.wait":
             dist.Work.wait = fn

@@ -59,7 +59,7 @@ def print_result(traces: Any, command: str, fmt: str = "table", stream: Any = No
 def check_job(job: Any, world_size: int, *, jobs: Optional[int] = None, stream: Any = None, command: str = "run",
               fmt: str = "table") -> int:
     """Rehearse every rank of ``job`` for ``world_size`` ranks and print the result; 0 OK, 1 a problem found."""
-    from megashard.rehearse import rehearse_job
+    from megashard.rehearse.runs import rehearse_job
 
     t0 = time.perf_counter()
     traces = rehearse_job(job, world_size, jobs=jobs)

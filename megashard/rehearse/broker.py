@@ -63,8 +63,10 @@ class Channel:
         return reply[1]
 
 
-def _child(rank: int, world_size: int, conn: Any, body: Callable[[int, Recorder], Any]) -> None:
+def _child(rank: int, world_size: int, conn: Any, body: Callable[[int, Recorder], Any], inherited: list) -> None:
     """The rank's process: run ``body``, send the trace, leave without running the parent's exit handlers."""
+    for other in inherited:  # the broker's ends of the pipes (its own too): so that a broker that ends is seen
+        other.close()
     code = 0
     t0 = time.perf_counter()
     recorder = Recorder(rank, world_size, Channel(conn))
@@ -139,7 +141,8 @@ class Broker:
 
         def start(rank: int) -> None:
             parent, child = self._ctx.Pipe(duplex=True)
-            p = self._ctx.Process(target=_child, args=(rank, self.world_size, child, self.body), daemon=True)
+            p = self._ctx.Process(target=_child, args=(rank, self.world_size, child, self.body, [*by_conn, parent]),
+                                  daemon=True)
             p.start()
             child.close()
             started[rank] = (p, parent)

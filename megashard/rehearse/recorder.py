@@ -135,45 +135,13 @@ def call_site(depth: int = 2) -> str:
     return "?"
 
 
+from megashard.rehearse.works import DeferredRecv as _DeferredRecv, DoneWork as _DoneWork  # noqa: E402
+
+
 def _sig(t: Any) -> str:
     from megashard.doctor.intercept import _sig as sig
 
     return sig(t)
-
-
-class _DeferredRecv:
-    """The Work of an ``irecv`` while rehearsing: the peer's message is taken (waiting for the peer rank if needed)
-    when the Work is waited on, as the real receive completes then."""
-
-    def __init__(self, recorder: "Recorder", tensor: Any, src: int, k: int):
-        self.recorder, self.tensor, self.src, self.k, self.done = recorder, tensor, src, k, False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self.done:
-            self.done = True
-            self.recorder._take(self.tensor, self.src, self.k)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
-
-    def result(self) -> list:
-        return [self.tensor]
-
-    def source_rank(self) -> int:
-        return self.src
-
-    def get_future(self) -> Any:
-        fut: Any = torch.futures.Future()
-        self.wait()
-        fut.set_result([self.tensor])
-        return fut
 
 
 class Recorder:
@@ -234,7 +202,7 @@ class Recorder:
         return info
 
     def _describe(self, pg: Any) -> GroupInfo:
-        from megashard.rehearse.identity import layouts_of
+        from megashard.state.identity import layouts_of
 
         world = dist.group.WORLD
         if pg is world:
@@ -252,16 +220,13 @@ class Recorder:
         return GroupInfo(key, name, ranks, layouts)
 
     def _wrong_grid(self, pg: Any, info: GroupInfo) -> str:
-        """A note when ``pg`` is a group of a megashard layout that is not the current one (see
-        :func:`megashard.rehearse.identity.current_layout`)."""
+        """A note when ``pg`` is a group of a megashard layout that is not the current one (what the hang doctor says
+        at run time too: :func:`megashard.state.identity.foreign_group_note`)."""
         if not info.layouts:
             return ""
-        from megashard.rehearse.identity import current_layout
+        from megashard.state.identity import foreign_group_note
 
-        cur = current_layout()
-        if cur is None or cur in info.layouts or pg is dist.group.WORLD:
-            return ""
-        return f"a group of {info.layouts[0]} while {cur} is current"
+        return foreign_group_note(pg)
 
     # ------------------------------------------------------------------ recording
     def _record(self, rec: CallRecord) -> None:
@@ -433,22 +398,6 @@ class Recorder:
 
         wrapper._megashard_doctor = True  # type: ignore[attr-defined]
         return wrapper
-
-
-class _DoneWork:
-    """The Work of a rehearsed send: complete at once (sends are buffered in the rehearsal)."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
 
 
 def _ranks_key(ranks: tuple[int, ...]) -> str:

@@ -23,7 +23,7 @@ def drop_refused(result: Any, job: Any, top: int, *, jobs: Optional[int] = None,
                  log: Optional[Callable[[str], None]] = None) -> int:
     """Check the first ``top`` layouts of ``result.ranked`` (re-filling the top as layouts leave); a refused one moves
     to ``result.rejected`` as ``(candidate, "the check before launch: <finding>")``. Returns how many were refused."""
-    from megashard.rehearse import rehearse_job
+    from megashard.rehearse.runs import rehearse_job
     from megashard.rehearse.compare import check_traces
 
     refused = 0

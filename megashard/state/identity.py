@@ -7,13 +7,28 @@
 
 Communicators are pooled (:mod:`megashard.state.pool`): two layouts with one rank set share one group, which then
 belongs to both. A collective on a group of a layout other than the current one — a ``pg_collection`` of another
-grid, another module's groups — is named by the rehearsal (:mod:`megashard.rehearse.recorder`).
+grid, another module's groups — is named by the rehearsal (:mod:`megashard.rehearse.recorder`) and, at run time,
+by the hang doctor (:mod:`megashard.doctor.intercept`: :func:`foreign_group_note`).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["current_layout", "layout_label", "layouts_of"]
+import weakref
+
+__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of", "register_grid"]
+
+_GRIDS: "weakref.WeakSet" = weakref.WeakSet()  # live HyperCommGrids (Megatron's pg_collection grids)
+
+
+def register_grid(grid: Any) -> None:
+    """A :class:`~megashard.state.hyper_grid.HyperCommGrid` whose groups belong to it (its constructor calls this)."""
+    _GRIDS.add(grid)
+
+
+def _grid_label(grid: Any) -> str:
+    dims = "·".join(f"{n}{s}" for n, s in zip(grid.dim_names, grid.shape) if s > 1) or "1"
+    return f"grid {dims} on ranks {grid.rank_offset}-{grid.rank_offset + grid.size - 1}"
 
 
 def layout_label(state: Any) -> str:
@@ -46,13 +61,36 @@ def layouts_of(pg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             label = layout_label(state)
             if label not in layouts:
                 layouts.append(label)
+    for grid in list(_GRIDS):
+        mine = [k if isinstance(k, str) else "-".join(k[1]) for k, g in getattr(grid, "_pgs", {}).items() if g is pg]
+        if mine:
+            names += [n for n in mine if n not in names]
+            label = _grid_label(grid)
+            if label not in layouts:
+                layouts.append(label)
     return tuple(names), tuple(layouts)
 
 
 def current_layout() -> Optional[str]:
     """The label of the current ParallelState, or None when megashard is not initialised."""
-    import megashard.state as ms
+    from megashard.state.current import get_parallel_state, is_initialized
 
-    if not ms.is_initialized():
+    if not is_initialized():
         return None
-    return layout_label(ms.get_parallel_state())
+    return layout_label(get_parallel_state())
+
+
+def foreign_group_note(pg: Any) -> str:
+    """``a group of layout X while layout Y is current`` when ``pg`` belongs only to layouts other than the current
+    one; "" otherwise (the default group, a group of the current layout, a group no layout holds)."""
+    import torch.distributed as dist
+
+    if pg is None or pg is dist.group.WORLD:
+        return ""
+    cur = current_layout()
+    if cur is None:
+        return ""
+    _, layouts = layouts_of(pg)
+    if not layouts or cur in layouts:
+        return ""
+    return f"a group of {layouts[0]} while {cur} is current"
