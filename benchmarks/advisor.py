@@ -2,7 +2,8 @@
 
 Three parts (``--part memory,calibration,speed``; all by default):
 
-**memory** — predicted against measured peak memory for every layout of :data:`LAYOUTS` (15 jobs on 4 gloo ranks
+**memory** — modelled, traced (:mod:`megashard.advisor.trace`) and measured peak memory for every layout of
+:data:`LAYOUTS` (and, with ``--layouts test:new``, the new jobs of tests/test_advisor_memory.py) (15 jobs on 4 gloo ranks
 that the tests never tuned: dense HSDP, tp, cp (gpt and llama), FSDP, pipelines 1F1B first/last stage, GPipe,
 interleaved 1F1B with recompute, zbv, recompute with distributed saved inputs, MoE ep / ep+expt_tp / tp+ep, llama
 bf16). Measured as the tests measure (tests/_live_bytes.py): live tensor-storage bytes of the steps after the first,
@@ -23,7 +24,10 @@ and is reported per layout, with the ratio. Also: whether torch was imported (it
 
 **speed** (below) — the advisor's time per layout against planning each layout one by one.
 
-Usage: ``python benchmarks/advisor.py [--part memory,calibration,speed] [--repeat 3] [--baseline 40] [--quick]``;
+**host** — the default job's peak RSS growth per rank (``VmHWM`` at the end minus ``VmRSS`` after the imports,
+4 ranks under torchrun) against the advisor's host memory per rank.
+
+Usage: ``python benchmarks/advisor.py [--part memory,calibration,host,speed] [--repeat 3] [--baseline 40] [--quick]``;
 writes ``benchmarks/results/advisor.json``. Every part prints the load average (the machine is shared).
 """
 from __future__ import annotations
@@ -244,6 +248,66 @@ def calibration_part(memory: str, top: int, steps: int, rounds: int, limit: int)
             "hardware": hw.describe(job.train.dtype)}
 
 
+# ---------------------------------------------------------------------------------------------- host memory
+_RSS_WORKER = """
+import json, os, sys
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+import torch
+import megashard.train.loop as loop
+from megashard.train.config import JobConfig
+start = status("VmRSS")  # after the imports: the baseline
+loop.train(JobConfig.from_yaml(sys.argv[2], sys.argv[3:]))
+with open(sys.argv[1] + "." + os.environ["RANK"] + ".json", "w") as f:
+    json.dump({"growth": status("VmHWM") - start}, f)
+"""
+
+
+def host_part(runs: int = 1) -> dict:
+    """The default job's peak RSS growth per rank (VmHWM at the end - VmRSS after the imports; torchrun, 4 ranks, 200
+    steps, checkpoints as configured) against the advisor's host memory per rank for its layout."""
+    import subprocess
+    import tempfile
+
+    from megashard.advisor.host import estimate_host
+    from megashard.advisor.memory import estimate_memory
+    from megashard.advisor.shape import JobShape
+    from megashard.train.config import JobConfig
+
+    config = os.path.join(ROOT, "configs", "default.yaml")
+    job = JobConfig.from_yaml(config)
+    shape = JobShape.from_job(job)
+    sizes = job.parallel.resolve(WORLD)
+    device_peak = estimate_memory(shape, sizes).peak
+    model = estimate_host(shape, "cpu", device_peak)
+    growth = []
+    with tempfile.TemporaryDirectory(prefix="megashard-advisor-host-") as tmp:
+        worker = os.path.join(tmp, "worker.py")
+        with open(worker, "w") as f:
+            f.write(_RSS_WORKER)
+        for k in range(runs):
+            out = os.path.join(tmp, f"run{k}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", worker,
+                   out, config, f"train.out_dir={out}-dir", "train.progress=false", "train.plot=false"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+            subprocess.run(cmd, check=True, env=env, capture_output=True)
+            growth.append([json.load(open(f"{out}.{r}.json"))["growth"] for r in range(WORLD)])
+    largest = [max(g) for g in growth]
+    err = [model.peak / x - 1 for x in largest]
+    print(f"\n## host memory: configs/default.yaml, {WORLD} ranks, {runs} run(s) (load average {os.getloadavg()})\n")
+    print("| run | peak RSS growth per rank MiB | largest | advisor's host memory per rank MiB | error |")
+    print("|---|---|---|---|---|")
+    for k, g in enumerate(growth):
+        print(f"| {k + 1} | {', '.join(f'{x / 2**20:.0f}' for x in g)} | {largest[k] / 2**20:.0f} | "
+              f"{model.peak / 2**20:.1f} | {err[k]:+.1%} |")
+    print(f"\nparts: {', '.join(f'{k} {v / 2**20:.2f}' for k, v in model.parts.items())} MiB (goal: within 20% of the "
+          "largest rank's)")
+    return {"growth": growth, "model": model.peak, "parts": model.parts, "errors": err}
+
+
 # ---------------------------------------------------------------------------------------------- speed
 def run_case(config: str, overrides: list[str], world: int, repeat: int) -> tuple[float, object]:
     from megashard.advisor.search import suggest
@@ -274,10 +338,11 @@ def baseline(config: str, overrides: list[str], world: int, result: object, n: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="memory,calibration,speed", help="comma-separated parts to run")
+    ap.add_argument("--part", default="memory,calibration,host,speed", help="comma-separated parts to run")
     ap.add_argument("--layouts", default=None, help="memory: comma-separated layout names (default: all; test:NAME for "
                     "a job of tests/test_advisor_memory.py, test:new for its new ones)")
     ap.add_argument("--no-trace", action="store_true", help="memory: measure and model only")
+    ap.add_argument("--host-runs", type=int, default=2, help="host: runs of the default job")
     ap.add_argument("--calib-memory", default="4GiB", help="calibration: memory per rank of the small case")
     ap.add_argument("--calibrate", type=int, default=5, help="calibration: --calibrate K")
     ap.add_argument("--calib-steps", type=int, default=5)
@@ -301,6 +366,8 @@ def main() -> None:
     if "calibration" in parts:
         report["calibration"] = calibration_part(args.calib_memory, args.calibrate, args.calib_steps,
                                                  args.calib_rounds, args.calib_limit)
+    if "host" in parts:
+        report["host"] = host_part(args.host_runs)
     if "speed" in parts:
         report.update(speed_part(args))
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

@@ -168,16 +168,17 @@ def _result(ctx: Any) -> tuple[int, str]:
     return live.peak, live.peak_op
 
 
-def certify(result: Any, doc: dict, name: str, top: int, log: Any = None) -> None:
+def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit: int = 1 << 30) -> None:
     """Trace the best ``top`` layouts of ``result`` (a :class:`~megashard.advisor.search.Suggestion` of the job
     ``doc``, a YAML mapping with the user's overrides applied): each gets ``traced`` (the largest traced rank) and is
     moved to ``too_big`` when that exceeds the device memory — the traced figure decides "fits" — and the next
-    layout is traced in its place. Layouts whose modelled peak exceeds :func:`trace_budget` are not traced (noted).
+    layout is traced in its place. Layouts whose modelled peak exceeds ``limit`` bytes or :func:`trace_budget` are
+    not traced (noted: the trace allocates them on this machine's CPU, and takes a CPU step's time).
     Sets ``result.traced_count``, ``result.trace_seconds`` and ``result.trace_notes``."""
     from megashard.config import yamlfile
     from megashard.train.config import JobConfig
 
-    budget = trace_budget()
+    budget = min(limit, trace_budget())
     t0 = time.perf_counter()
     done: list[Any] = []
     i = 0
@@ -185,8 +186,8 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None) -> Non
         c = result.ranked[i]
         m = c.memory
         if m.peak > budget:
-            result.trace_notes.append(f"{c.label()}: not traced (its modelled {m.peak / 2**30:.2f} GiB is more than "
-                                      f"half of this machine's free memory; the rehearsal allocates it)")
+            result.trace_notes.append(f"{c.label()}: not traced (modelled {m.peak / 2**30:.2f} GiB: more than "
+                                      f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
             i += 1
             continue
         job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)

@@ -123,7 +123,8 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             f"  megashard plan {DEFAULT_CONFIG} launch.nnodes=1:4 launch.nproc_per_node=2   # elastic: every world size\n"
-            f"  megashard plan {DEFAULT_CONFIG} --suggest   # world, device and memory from the config and this machine\n"
+            f"  megashard plan {DEFAULT_CONFIG} --suggest --trace 0\n"
+            f"  megashard plan {DEFAULT_CONFIG} --memory --no-trace\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
@@ -284,7 +285,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                               f"{DEFAULT_CONFIG}), not only a layout")
         from megashard.cli.suggest import layout_memory
 
-        plan["memory"], memory_lines = layout_memory(job, sizes, refusal, trace=not args.no_trace)
+        from megashard.advisor.units import parse_bytes
+
+        plan["memory"], memory_lines = layout_memory(job, sizes, refusal, trace=not args.no_trace and args.trace > 0,
+                                                     limit=parse_bytes(args.trace_limit, "--trace-limit"))
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")

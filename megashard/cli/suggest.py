@@ -48,6 +48,9 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
                         "that peaks, on the fake backend, its live bytes counted; a traced figure decides whether a "
                         "layout fits (with plan --memory: the layout's own)")
     g.add_argument("--no-trace", action="store_true", help="no tracing (the same as --trace 0)")
+    g.add_argument("--trace-limit", metavar="SIZE", default="1GiB",
+                   help="trace only layouts whose modelled peak is at most SIZE (default 1GiB): a trace allocates the "
+                        "rank's tensors on this machine's CPU and runs its step there")
     g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
                    help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
@@ -199,7 +202,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         print(f"megashard plan: tracing the memory of the {min(args.trace, len(result.ranked))} best layout(s): one "
               "step of the rank that peaks, on the fake backend", file=sys.stderr, flush=True)
         certify(result, doc, job.name, args.trace,
-                log=lambda line: print(f"megashard plan: {line}", file=sys.stderr, flush=True))
+                log=lambda line: print(f"megashard plan: {line}", file=sys.stderr, flush=True),
+                limit=parse_bytes(args.trace_limit, "--trace-limit"))
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
     if args.check_collectives:  # the check before launch refuses none of the listed layouts (megashard.rehearse)
         from megashard.rehearse.suggest_check import drop_refused
@@ -293,7 +297,8 @@ def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source
     apply_timings(result, timings)
 
 
-def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = True) -> tuple[dict, list[str]]:
+def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = True,
+                  limit: int = 1 << 30) -> tuple[dict, list[str]]:
     """``megashard plan CONFIG --memory``: the memory per rank of the config's own layout — modelled, traced (every
     pipeline rank's first rank, at most 4; :mod:`megashard.advisor.trace`) and host — as JSON-ready data and lines."""
     from megashard.advisor.host import estimate_host
@@ -314,9 +319,10 @@ def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = Tr
     elif trace:
         from megashard.advisor.trace import trace_budget, trace_memory
 
-        if c.memory.peak > trace_budget():
-            lines.append(f"memory per rank, traced: not traced (its modelled {c.memory.peak / 2**30:.2f} GiB is more "
-                         "than half of this machine's free memory)")
+        budget = min(limit, trace_budget())
+        if c.memory.peak > budget:
+            lines.append(f"memory per rank, traced: not traced (modelled {c.memory.peak / 2**30:.2f} GiB: more than "
+                         f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
         else:
             pp_ranks = sorted({c.memory.rank, 0, sizes.pp - 1}) if sizes.pp > 4 else list(range(sizes.pp))
             peaks = trace_memory(job, sizes.world_size, pp_ranks)
