@@ -2,7 +2,8 @@
 
 Three parts (``--part memory,calibration,speed``; all by default):
 
-**memory** — predicted against measured peak memory for every layout of :data:`LAYOUTS` (15 jobs on 4 gloo ranks
+**memory** — modelled, traced (:mod:`megashard.advisor.trace`) and measured peak memory for every layout of
+:data:`LAYOUTS` (and, with ``--layouts test:new``, the new jobs of tests/test_advisor_memory.py) (15 jobs on 4 gloo ranks
 that the tests never tuned: dense HSDP, tp, cp (gpt and llama), FSDP, pipelines 1F1B first/last stage, GPipe,
 interleaved 1F1B with recompute, zbv, recompute with distributed saved inputs, MoE ep / ep+expt_tp / tp+ep, llama
 bf16). Measured as the tests measure (tests/_live_bytes.py): live tensor-storage bytes of the steps after the first,
@@ -23,7 +24,10 @@ and is reported per layout, with the ratio. Also: whether torch was imported (it
 
 **speed** (below) — the advisor's time per layout against planning each layout one by one.
 
-Usage: ``python benchmarks/advisor.py [--part memory,calibration,speed] [--repeat 3] [--baseline 40] [--quick]``;
+**host** — the default job's peak RSS growth per rank (``VmHWM`` at the end minus ``VmRSS`` after the imports,
+4 ranks under torchrun) against the advisor's host memory per rank.
+
+Usage: ``python benchmarks/advisor.py [--part memory,calibration,host,speed] [--repeat 3] [--baseline 40] [--quick]``;
 writes ``benchmarks/results/advisor.json``. Every part prints the load average (the machine is shared).
 """
 from __future__ import annotations
@@ -105,15 +109,36 @@ def check_measure(rank: int, world_size: int) -> None:
     names = json.load(open(os.path.join(out, "names.json")))
     peaks = {}
     for name in names:
+        if name.startswith("test:"):
+            import tests.test_advisor_memory as T
+
+            os.environ[T.ENV] = out
+            job = T._job(name[5:])
+        else:
+            job = layout_job(name, out)
         with LiveBytes(warmup_steps=1) as live:
-            train(layout_job(name, out))
+            train(job)
         peaks[name] = live.peak
     with open(os.path.join(out, f"peaks{rank}.json"), "w") as f:
         json.dump(peaks, f)
 
 
-def memory_part(names: list[str]) -> list[dict]:
-    """Predicted and measured peak (largest rank) of each layout."""
+def _jobs(names: list[str]) -> list[tuple[str, object]]:
+    """(name, JobConfig) of every job measured: this file's LAYOUTS by name, tests/test_advisor_memory.py's jobs as
+    ``test:NAME``."""
+    out = []
+    for name in names:
+        if name.startswith("test:"):
+            import tests.test_advisor_memory as T
+
+            out.append((name, T._job(name[5:])))
+        else:
+            out.append((name, layout_job(name)))
+    return out
+
+
+def memory_part(names: list[str], trace: bool = True) -> list[dict]:
+    """Modelled, traced and measured peak (largest rank) of each job."""
     import tempfile
 
     from megashard.advisor.memory import estimate_memory
@@ -129,69 +154,158 @@ def memory_part(names: list[str]) -> list[dict]:
         finally:
             os.environ.pop(_ENV, None)
         per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
+    measure_s = time.perf_counter() - t0
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS.replace(".json", "-measured.json"), "w") as f:  # kept before any estimate runs
         json.dump({"per_rank": per_rank, "loadavg": os.getloadavg()}, f)
     rows = []
-    for name in names:
-        job = layout_job(name)
+    t1 = time.perf_counter()
+    for name, job in _jobs(names):
         est = estimate_memory(JobShape.from_job(job), job.parallel.resolve(WORLD), job.model.recompute,
                               job.model.distribute_saved_activations)
         ranks = [p[name] for p in per_rank]
         real = max(ranks)
-        rows.append({"layout": name, "predicted": est.peak, "measured": real, "error": est.peak / real - 1,
+        traced = None
+        if trace:
+            from megashard.advisor.trace import trace_memory
+
+            peaks = [p.peak for p in trace_memory(job, WORLD) if p.peak is not None]
+            traced = max(peaks) if peaks else None
+        rows.append({"layout": name, "predicted": est.peak, "traced": traced, "measured": real,
+                     "error": est.peak / real - 1, "traced_error": traced / real - 1 if traced else None,
                      "phase": est.phase, "pp_rank": est.rank, "ranks": ranks})
-    print(f"\n## memory: predicted vs measured peak per rank (largest rank; 4 gloo ranks; "
-          f"{time.perf_counter() - t0:.0f} s, load average {os.getloadavg()})\n")
-    print("| layout | predicted MiB | measured MiB | error | predicted peak at | ranks' peaks MiB |")
-    print("|---|---|---|---|---|---|")
+    trace_s = time.perf_counter() - t1
+    print(f"\n## memory: modelled, traced and measured peak per rank (largest rank; 4 gloo ranks measured in "
+          f"{measure_s:.0f} s, every pipeline rank traced in {trace_s:.0f} s; load average {os.getloadavg()})\n")
+    print("| job | modelled MiB | traced MiB | measured MiB | modelled error | traced error | modelled peak at |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['predicted'] / 2**20:.3f} | {r['measured'] / 2**20:.3f} | {r['error']:+.1%} | "
-              f"pp rank {r['pp_rank']}, {r['phase']} | {', '.join(f'{x / 2**20:.2f}' for x in r['ranks'])} |")
+        tr = f"{r['traced'] / 2**20:.3f}" if r["traced"] else "-"
+        te = f"{r['traced_error']:+.1%}" if r["traced_error"] is not None else "-"
+        print(f"| {r['layout']} | {r['predicted'] / 2**20:.3f} | {tr} | {r['measured'] / 2**20:.3f} | "
+              f"{r['error']:+.1%} | {te} | pp rank {r['pp_rank']}, {r['phase']} |")
     errs = [r["error"] for r in rows]
     inside = sum(-0.03 <= e <= 0.05 for e in errs)
-    print(f"\n{inside} of {len(rows)} within the goal (-3% .. +5%); errors {min(errs):+.1%} .. {max(errs):+.1%}")
+    print(f"\nmodelled: {inside} of {len(rows)} within the goal (-3% .. +5%); errors {min(errs):+.1%} .. {max(errs):+.1%}")
+    terrs = [r["traced_error"] for r in rows if r["traced_error"] is not None]
+    if terrs:
+        print(f"traced: {sum(abs(e) <= 0.01 for e in terrs)} of {len(terrs)} within 1%; errors {min(terrs):+.1%} .. "
+              f"{max(terrs):+.1%}")
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- calibration
 def calibration_part(memory: str, top: int, steps: int, rounds: int, limit: int) -> dict:
-    """Time every layout that fits the small case; the calibrated #1 against the fastest measured."""
-    from megashard.advisor.calibrate import time_layouts
+    """``--calibrate top``'s choice (layouts that differ) and the model's first ``limit`` layouts, timed together in
+    interleaved rounds: the calibrated #1 (the fastest of the chosen) against the fastest of all timed, and Kendall's
+    τ between the model's and the measured order of the chosen."""
+    from megashard.advisor.calibrate import kendall_tau, pick_layouts, time_layouts
     from megashard.advisor.search import suggest
+    from megashard.cli.suggest import job_machine
+    from megashard.advisor.units import parse_bytes
     from megashard.config import yamlfile
     from megashard.train.config import JobConfig
 
     config = os.path.join(ROOT, "configs", "default.yaml")
     job = JobConfig.from_yaml(config)
-    result = suggest(job, WORLD, memory)
-    layouts = result.ranked[:limit]
+    world, rpn, mem, hw, notes = job_machine(job, WORLD, None, parse_bytes(memory), {})
+    result = suggest(job, world, mem, rpn, hw)
+    chosen = pick_layouts(result.ranked, top)
+    layouts = chosen + [c for c in result.ranked[:limit] if c not in chosen]
     t0 = time.perf_counter()
     timings = time_layouts(yamlfile.load_yaml(config), job.name, layouts, WORLD, steps=steps, rounds=rounds,
                            log=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     measured = [(t.step_s, i) for i, t in enumerate(timings) if t.step_s is not None]
     fastest_s, fastest_i = min(measured)
-    calibrated_s, calibrated_i = min((s, i) for s, i in measured if i < top)
+    calibrated_s, calibrated_i = min((s, i) for s, i in measured if i < len(chosen))
     order = sorted(measured)
-    model_rank = [i for _, i in order].index(0) + 1 if any(i == 0 for _, i in measured) else None
-    print(f"\n## calibration: configs/default.yaml on {WORLD} ranks, {memory} ({len(layouts)} of "
-          f"{len(result.ranked)} fitting layouts timed, {rounds} interleaved rounds × {steps} steps, medians after 2 "
-          f"warm-up steps; {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()})\n")
-    print("| measured # | model # | layout | ms/step (median) | samples |")
-    print("|---|---|---|---|---|")
+    model_rank = {id(c): k for k, c in enumerate(result.ranked, 1)}
+    tau = kendall_tau([layouts[i].cost.seconds for _, i in measured if i < len(chosen)],
+                      [sec for sec, i in measured if i < len(chosen)])
+    print(f"\n## calibration: configs/default.yaml on {WORLD} ranks ({hw.describe(job.train.dtype)}); --calibrate "
+          f"{top} chose {len(chosen)} layouts that differ, timed with the model's first {limit} ({len(layouts)} in all), "
+          f"{rounds} interleaved rounds × {steps} steps, medians after 2 warm-up steps; "
+          f"{time.perf_counter() - t0:.0f} s, load average {os.getloadavg()})\n")
+    print("| measured # | model # | chosen by --calibrate | layout | modelled ms | ms/step (median) | rounds' medians ms |")
+    print("|---|---|---|---|---|---|---|")
     for k, (sec, i) in enumerate(order, 1):
         t = timings[i]
-        print(f"| {k} | {i + 1} | {t.layout} | {sec * 1e3:.1f} | {len(t.samples)} |")
+        c = layouts[i]
+        print(f"| {k} | {model_rank[id(c)]} | {'yes' if i < len(chosen) else ''} | {t.layout} | "
+              f"{c.cost.seconds * 1e3:.1f} | {sec * 1e3:.1f} | {', '.join(f'{x * 1e3:.1f}' for x in t.rounds)} |")
     gap = calibrated_s / fastest_s - 1
-    print(f"\ncalibrated #1 (fastest measured of the model's top {top}): {timings[calibrated_i].layout}, "
+    print(f"\ncalibrated #1 (the fastest of the {len(chosen)} chosen): {timings[calibrated_i].layout}, "
           f"{calibrated_s * 1e3:.1f} ms; fastest of all {len(measured)}: {timings[fastest_i].layout}, "
-          f"{fastest_s * 1e3:.1f} ms: {gap:+.1%} (goal: within 5%). The model's own #1 is #{model_rank} measured.")
+          f"{fastest_s * 1e3:.1f} ms: {gap:+.1%} (goal: within 5%). Kendall's τ (model vs measured, chosen): "
+          f"{tau if tau is None else round(tau, 2)}")
     return {"memory": memory, "top": top, "timed": len(layouts), "fit": len(result.ranked),
-            "timings": [{"model_rank": i + 1, "layout": t.layout, "step_s": t.step_s, "samples": t.samples,
-                         "error": t.error} for i, t in enumerate(timings)],
+            "chosen": [c.label() for c in chosen],
+            "timings": [{"model_rank": model_rank[id(layouts[i])], "layout": t.layout, "modelled_s": layouts[i].cost.seconds,
+                         "step_s": t.step_s, "rounds": t.rounds, "samples": t.samples, "error": t.error}
+                        for i, t in enumerate(timings)],
             "calibrated": timings[calibrated_i].layout, "calibrated_s": calibrated_s,
-            "fastest": timings[fastest_i].layout, "fastest_s": fastest_s, "gap": gap,
-            "model_first_measured_rank": model_rank}
+            "fastest": timings[fastest_i].layout, "fastest_s": fastest_s, "gap": gap, "kendall_tau": tau,
+            "hardware": hw.describe(job.train.dtype)}
+
+
+# ---------------------------------------------------------------------------------------------- host memory
+_RSS_WORKER = """
+import json, os, sys
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+import torch
+import megashard.train.loop as loop
+from megashard.train.config import JobConfig
+start = status("VmRSS")  # after the imports: the baseline
+loop.train(JobConfig.from_yaml(sys.argv[2], sys.argv[3:]))
+with open(sys.argv[1] + "." + os.environ["RANK"] + ".json", "w") as f:
+    json.dump({"growth": status("VmHWM") - start}, f)
+"""
+
+
+def host_part(runs: int = 1) -> dict:
+    """The default job's peak RSS growth per rank (VmHWM at the end - VmRSS after the imports; torchrun, 4 ranks, 200
+    steps, checkpoints as configured) against the advisor's host memory per rank for its layout."""
+    import subprocess
+    import tempfile
+
+    from megashard.advisor.host import estimate_host
+    from megashard.advisor.memory import estimate_memory
+    from megashard.advisor.shape import JobShape
+    from megashard.train.config import JobConfig
+
+    config = os.path.join(ROOT, "configs", "default.yaml")
+    job = JobConfig.from_yaml(config)
+    shape = JobShape.from_job(job)
+    sizes = job.parallel.resolve(WORLD)
+    device_peak = estimate_memory(shape, sizes).peak
+    model = estimate_host(shape, "cpu", device_peak)
+    growth = []
+    with tempfile.TemporaryDirectory(prefix="megashard-advisor-host-") as tmp:
+        worker = os.path.join(tmp, "worker.py")
+        with open(worker, "w") as f:
+            f.write(_RSS_WORKER)
+        for k in range(runs):
+            out = os.path.join(tmp, f"run{k}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", worker,
+                   out, config, f"train.out_dir={out}-dir", "train.progress=false", "train.plot=false"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+            subprocess.run(cmd, check=True, env=env, capture_output=True)
+            growth.append([json.load(open(f"{out}.{r}.json"))["growth"] for r in range(WORLD)])
+    largest = [max(g) for g in growth]
+    err = [model.peak / x - 1 for x in largest]
+    print(f"\n## host memory: configs/default.yaml, {WORLD} ranks, {runs} run(s) (load average {os.getloadavg()})\n")
+    print("| run | peak RSS growth per rank MiB | largest | advisor's host memory per rank MiB | error |")
+    print("|---|---|---|---|---|")
+    for k, g in enumerate(growth):
+        print(f"| {k + 1} | {', '.join(f'{x / 2**20:.0f}' for x in g)} | {largest[k] / 2**20:.0f} | "
+              f"{model.peak / 2**20:.1f} | {err[k]:+.1%} |")
+    print(f"\nparts: {', '.join(f'{k} {v / 2**20:.2f}' for k, v in model.parts.items())} MiB (goal: within 20% of the "
+          "largest rank's)")
+    return {"growth": growth, "model": model.peak, "parts": model.parts, "errors": err}
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -224,13 +338,16 @@ def baseline(config: str, overrides: list[str], world: int, result: object, n: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="memory,calibration,speed", help="comma-separated parts to run")
-    ap.add_argument("--layouts", default=None, help="memory: comma-separated layout names (default: all)")
-    ap.add_argument("--calib-memory", default="4.2MiB", help="calibration: device memory of the small case")
-    ap.add_argument("--calibrate", type=int, default=4, help="calibration: the model's top K that --calibrate times")
+    ap.add_argument("--part", default="memory,calibration,host,speed", help="comma-separated parts to run")
+    ap.add_argument("--layouts", default=None, help="memory: comma-separated layout names (default: all; test:NAME for "
+                    "a job of tests/test_advisor_memory.py, test:new for its new ones)")
+    ap.add_argument("--no-trace", action="store_true", help="memory: measure and model only")
+    ap.add_argument("--host-runs", type=int, default=2, help="host: runs of the default job")
+    ap.add_argument("--calib-memory", default="4GiB", help="calibration: memory per rank of the small case")
+    ap.add_argument("--calibrate", type=int, default=5, help="calibration: --calibrate K")
     ap.add_argument("--calib-steps", type=int, default=5)
     ap.add_argument("--calib-rounds", type=int, default=2)
-    ap.add_argument("--calib-limit", type=int, default=40, help="calibration: time at most this many layouts")
+    ap.add_argument("--calib-limit", type=int, default=8, help="calibration: the model's first N layouts timed too")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=int, default=40, help="layouts planned one by one for the baseline")
     ap.add_argument("--quick", action="store_true", help="one repeat, 10 baseline layouts")
@@ -241,10 +358,16 @@ def main() -> None:
     report: dict = {"parts": sorted(parts), "loadavg_start": os.getloadavg()}
     if "memory" in parts:
         names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
-        report["memory"] = memory_part(names)
+        if "test:new" in names:
+            import tests.test_advisor_memory as T
+
+            names = [n for n in names if n != "test:new"] + [f"test:{n}" for n in T.NEW_JOBS]
+        report["memory"] = memory_part(names, trace=not args.no_trace)
     if "calibration" in parts:
         report["calibration"] = calibration_part(args.calib_memory, args.calibrate, args.calib_steps,
                                                  args.calib_rounds, args.calib_limit)
+    if "host" in parts:
+        report["host"] = host_part(args.host_runs)
     if "speed" in parts:
         report.update(speed_part(args))
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

@@ -41,7 +41,7 @@ def test_measured_times_rank_first_and_the_report_says_so(tmp_path, capsys):
     a, b, c = r.ranked[:3]
     cal = tmp_path / "cal.json"
     _write(cal, job, 4, [(a, 0.20), (b, None), (c, 0.10)])
-    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "4", "--device-memory", "1GiB", "--calibration", str(cal),
+    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "4", "--device-memory", "1GiB", "--trace", "0", "--calibration", str(cal),
                  "--format", "json", "--top", "50"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -51,7 +51,7 @@ def test_measured_times_rank_first_and_the_report_says_so(tmp_path, capsys):
     assert layouts.index(b.label()) == 2  # failed: back in the model's order, after the measured ones
     assert [t["step"]["source"] for t in d["top"][:3]] == ["measured", "measured", "modelled"]
     assert d["top"][0]["step"]["measured_seconds"] == 0.10 and d["measured"] == 2
-    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "4", "--device-memory", "1GiB", "--calibration", str(cal)])
+    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "4", "--device-memory", "1GiB", "--trace", "0", "--calibration", str(cal)])
     out, _ = capsys.readouterr()
     assert "ranked by step time measured on this machine for 2 layout(s)" in out and "meas_ms" in out
     assert "calibration runs that failed" in out and "exit code 1" in out
@@ -77,7 +77,7 @@ def test_a_file_of_another_job_or_world_is_refused(tmp_path):
 def test_a_users_file_is_never_overwritten(tmp_path, capsys):
     mine = tmp_path / "notes.json"
     mine.write_text('{"my": "notes"}')
-    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "2", "--device-memory", "1GiB", "--calibrate", "1",
+    code = main(["plan", DEFAULT, *TINY, "--suggest", "-w", "2", "--device-memory", "1GiB", "--trace", "0", "--calibrate", "1",
                  "--calibration", str(mine)])
     err = capsys.readouterr().err
     assert code == 2 and "not a calibration file megashard wrote" in err and len(err.strip().splitlines()) == 1
@@ -92,7 +92,7 @@ def test_a_users_file_is_never_overwritten(tmp_path, capsys):
     (["-w", "2", "--calibration", "/nonexistent/cal.json"], "--calibration /nonexistent/cal.json: no such file"),
 ])
 def test_calibration_flag_errors_are_one_line(capsys, argv, message):
-    code = main(["plan", DEFAULT, "--suggest", "--device-memory", "1GiB", *argv])
+    code = main(["plan", DEFAULT, "--suggest", "--device-memory", "1GiB", "--trace", "0", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
@@ -101,7 +101,8 @@ def test_calibrate_runs_the_job_and_writes_a_file_that_ranks_again(tmp_path, cap
     """One real calibration (2 ranks, 1 layout, 3 steps): the layout's step time comes from its metrics, the file
     holds it, and reading the file ranks the same way without running anything."""
     cal = tmp_path / "cal.json"
-    argv = ["plan", DEFAULT, *TINY, "--suggest", "-w", "2", "--device-memory", "1GiB", "--format", "json"]
+    argv = ["plan", DEFAULT, *TINY, "--suggest", "-w", "2", "--device-memory", "1GiB", "--format", "json",
+            "--trace", "0"]
     t0 = time.monotonic()
     code = main([*argv, "--calibrate", "1", "--calibrate-steps", "3", "--calibrate-rounds", "1",
                  "--calibration", str(cal)])

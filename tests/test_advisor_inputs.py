@@ -55,7 +55,7 @@ def test_cli_bare_number_is_refused_before_any_layout(capsys):
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "--device-memory '80': a size without a unit is bytes" in err and "80GiB" in err
     for size in ("80G", "80GB", "80GiB", "81920MiB", str(80 * GIB)):
-        code = main(["plan", DEFAULT, "--suggest", "-w", "8", "--device-memory", size, "--format", "json"])
+        code = main(["plan", DEFAULT, "--suggest", "-w", "8", "--device-memory", size, "--format", "json", "--trace", "0"])
         out, err = capsys.readouterr()
         assert code == 0, err
         assert f'"device_memory": {80 * GIB if "i" in size or size.isdigit() else 80 * 10**9}' in out

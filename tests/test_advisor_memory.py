@@ -54,6 +54,41 @@ JOBS = {
     "tp=2 recompute distributed": ["parallel.tp=2", "parallel.dp_shard=2", "model.recompute=true",
                                    "model.distribute_saved_activations=true"],
 }
+#: Jobs of shapes the model was not written for (issue 41: other microbatch counts, vpp=3, MoE every 2nd block,
+#: top-1 routing, bf16 with accumulation, a large hidden size with a small vocabulary, seq 512, micro_batch_size=3,
+#: HSDP): each overrides BASE's model where it says so; 4 ranks each.
+NEW_JOBS = {
+    "gpt bf16 tp=2 fsdp=2 mb=3 h160": ["parallel.tp=2", "parallel.dp_shard=2", "train.dtype=bfloat16",
+                                       "train.microbatches=3", "train.global_batch=6", "model.hidden=160",
+                                       "model.layers=2"],
+    "llama fsdp=4 recompute micro_batch_size=3": ["parallel.tp=1", "parallel.dp_shard=4", "model.arch=llama",
+                                                  "model.recompute=true", "train.micro_batch_size=3",
+                                                  "train.global_batch=24"],
+    "llama hsdp 2x2 recompute micro_batch_size=3": ["parallel.tp=1", "parallel.dp_outer=2", "parallel.dp_shard=2",
+                                                    "model.arch=llama", "model.recompute=true",
+                                                    "train.micro_batch_size=3", "train.global_batch=12"],
+    "moe gpt 4 experts top-1 ep=4 seq 256": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=4",
+                                             "model.num_experts=4", "model.moe_top_k=1", "model.moe_every=2",
+                                             "model.seq_len=256", "model.ffn_hidden=256"],
+    "llama tp=2 pp=2 vpp=3 mb=4": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=3", "parallel.dp_shard=1",
+                                   "model.arch=llama", "model.layers=6", "train.microbatches=4",
+                                   "train.pipeline_schedule=interleaved_1f1b"],
+    "moe top-2 ep=2 pp=2 1f1b mb=2": ["parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                      "model.num_experts=4", "model.moe_top_k=2", "model.ffn_hidden=256",
+                                      "train.microbatches=2"],
+    "gpt fsdp=4 h512 vocab 256": ["parallel.tp=1", "parallel.dp_shard=4", "model.hidden=512", "model.heads=8",
+                                  "model.vocab_size=256", "model.layers=2"],
+    "gpt pp=2 1f1b mb=3": ["parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=2", "train.microbatches=3",
+                           "train.global_batch=12"],
+    "llama bf16 tp=2 cp=2 seq 512": ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=1", "model.arch=llama",
+                                     "train.dtype=bfloat16", "model.seq_len=512", "model.layers=2",
+                                     "train.global_batch=2"],
+    "llama bf16 moe top-1 every block ep=2 mb=3": ["parallel.tp=1", "parallel.dp_shard=4", "parallel.ep=2",
+                                                   "model.arch=llama", "train.dtype=bfloat16", "model.num_experts=4",
+                                                   "model.moe_top_k=1", "model.moe_every=1", "model.ffn_hidden=256",
+                                                   "train.microbatches=3", "train.global_batch=12"],
+}
+ALL_JOBS = {**JOBS, **NEW_JOBS}
 UNDER, OVER = -0.03, 0.05
 
 
@@ -61,7 +96,7 @@ def _job(name: str):
     from megashard.train.config import JobConfig
 
     out = os.environ.get(ENV, tempfile.gettempdir())
-    return JobConfig.from_yaml(DEFAULT, BASE + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + JOBS[name])
+    return JobConfig.from_yaml(DEFAULT, BASE + [f"train.out_dir={out}/{name.replace(' ', '_')}"] + ALL_JOBS[name])
 
 
 def check_measure_peaks(rank: int, world_size: int) -> None:
@@ -69,7 +104,7 @@ def check_measure_peaks(rank: int, world_size: int) -> None:
     from tests._live_bytes import LiveBytes
 
     peaks = {}
-    for name in JOBS:
+    for name in ALL_JOBS:
         with LiveBytes(warmup_steps=1) as live:
             train(_job(name))
         peaks[name] = live.peak
@@ -82,12 +117,12 @@ def measured():
     with tempfile.TemporaryDirectory(prefix="megashard-advisor-") as tmp:
         os.environ[ENV] = tmp
         try:
-            res = spawn_checks([check_measure_peaks], WORLD, timeout=900)
+            res = spawn_checks([check_measure_peaks], WORLD, timeout=3600)  # 22 jobs; a loaded machine is slow
             res.assert_ok("check_measure_peaks")
             per_rank = [json.load(open(os.path.join(tmp, f"peaks{r}.json"))) for r in range(WORLD)]
         finally:
             os.environ.pop(ENV, None)
-    return {name: max(p[name] for p in per_rank) for name in JOBS}
+    return {name: max(p[name] for p in per_rank) for name in ALL_JOBS}
 
 
 def _predict(name: str):
@@ -99,7 +134,13 @@ def _predict(name: str):
     return estimate_memory(JobShape.from_job(job), sizes, job.model.recompute, job.model.distribute_saved_activations)
 
 
-@pytest.mark.parametrize("name", list(JOBS))
+#: The modelled peaks still known to miss (docs/advisor.md, "Issue 41's held-out shapes"): vpp=3 is 3.4% under (what
+#: the interleaved schedule keeps at its last backward is not yet accounted for).
+MODEL_KNOWN = {"llama tp=2 pp=2 vpp=3 mb=4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="known model miss"))
+                                  if n in MODEL_KNOWN else n for n in ALL_JOBS])
 def test_predicted_peak_is_never_3_percent_under_nor_5_over(measured, name):
     est = _predict(name)
     real = measured[name]
@@ -234,3 +275,40 @@ def check_cp_block_keeps_gathered_keys_and_values(rank: int, world_size: int) ->
 def test_cp_block_keeps_gathered_keys_and_values():
     spawn_checks([check_cp_block_keeps_gathered_keys_and_values], 2, timeout=120).assert_ok(
         "check_cp_block_keeps_gathered_keys_and_values")
+
+
+# ---------------------------------------------------------------------------------------------- traced peaks
+#: Jobs whose traced peak is known to miss the measured one by more than 1% (docs/advisor.md, "Traced"): the experts of
+#: MoE jobs over ep > 1 ranks receive no peer's tokens on the fake backend (TracedPeak.partial; the modelled figure
+#: decides for them), and interleaved pipelines, whose gloo sends hold buffers the fake backend does not.
+TRACE_KNOWN = {n for n, o in ALL_JOBS.items() if any(x.startswith("parallel.ep=") and x != "parallel.ep=1" for x in o)}
+TRACE_KNOWN |= {"pp=2 vpp=2 interleaved", "llama tp=2 pp=2 vpp=3 mb=4"}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """Every job's traced peak (the largest of its pipeline ranks' first ranks): one step of each on the fake backend,
+    after a warm-up step, counted by the same LiveBytes as the measured runs."""
+    from megashard.advisor.trace import trace_memory
+
+    out = {}
+    for name in ALL_JOBS:
+        peaks = trace_memory(_job(name), WORLD)
+        assert all(p.peak is not None for p in peaks), (name, [p.error for p in peaks])
+        out[name] = max(peaks, key=lambda p: p.peak)
+    return out
+
+
+@pytest.mark.parametrize("name", list(ALL_JOBS))
+def test_traced_peak_equals_the_measured_one(measured, traced, name):
+    t, real = traced[name], measured[name]
+    err = t.peak / real - 1
+    print(f"{name:<45} traced {t.peak / 2**20:8.3f} MiB  measured {real / 2**20:8.3f} MiB  {err:+.2%}")
+    if name in TRACE_KNOWN:
+        if t.partial:  # the pairs peers would send are missing: never more than the real peak
+            assert err <= 0.01, f"{name}: traced {t.peak:,} B, measured {real:,} B: {err:+.1%}"
+        else:
+            assert abs(err) < 0.05, f"{name}: traced {t.peak:,} B, measured {real:,} B: {err:+.1%}"
+        return
+    assert not t.partial
+    assert abs(err) <= 0.01, f"{name}: traced {t.peak:,} B (rank {t.rank}), measured {real:,} B: {err:+.2%}"

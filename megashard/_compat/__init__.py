@@ -11,6 +11,7 @@ releases; the rest of the package imports these names from this package only (``
 * ``dtensor``: DTensor (``_StridedShard``, local shapes and offsets, a local shard without autograd);
 * ``dtensor_gather``: which releases crash gathering a DTensor on gloo with CUDA tensors, and the probe;
 * ``dcp``: torch.distributed.checkpoint (offline loading, nested dicts, the metadata allow-list, the stager);
+* ``dispatch``: ``TorchDispatchMode`` and pytree (the advisor's live-memory count);
 * ``pipelining``: the pipeline stage; ``autograd``: the checkpoint guard and Adam's ``_init_group``;
   ``elastic``: torchrun's agent and its rendezvous; ``funcol``: the functional collectives (what the hang doctor
   wraps to see DTensor's).
@@ -21,6 +22,7 @@ pay for them): ``_StridedShard`` is looked up on first use.
 from __future__ import annotations
 
 from megashard._compat.autograd import adam_init_group, autograd_checkpoint_valid
+from megashard._compat.dispatch import dispatch_api
 from megashard._compat.c10d import (
     backend_options,
     default_store,
@@ -70,6 +72,7 @@ from megashard._compat.funcol import (
     functional_group,
     functional_group_name,
     hook_functional_outputs,
+    process_group_by_name,
 )
 from megashard._compat.mesh import mesh_flatten, mesh_flattened_names, mesh_release_groups
 from megashard._compat.pipelining import pipeline_stage_class
@@ -80,9 +83,10 @@ __all__ = [
     "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
     "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
     "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
-    "dcp_set_element", "default_store", "destroy_group_keep_name", "dtensor_gather_crashes", "dtensor_local",
-    "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
-    "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs", "install_numpy_free_object_collectives",
+    "dcp_set_element", "default_store", "destroy_group_keep_name", "dispatch_api", "dtensor_gather_crashes",
+    "dtensor_local", "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
+    "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs",
+    "install_numpy_free_object_collectives", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
     "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined", "strided_shard_class",

@@ -69,3 +69,16 @@ def hook_functional_outputs(hook):
             funcol._maybe_wrap_tensor = original
 
     return undo
+
+
+def process_group_by_name(name: str):
+    """The ProcessGroup torch registered under ``name`` (what a functional collective's group resolves to), or None
+    (:mod:`megashard.rehearse` names the group of a functional collective)."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+    except ImportError:  # pragma: no cover - a torch without the registry
+        return None
+    try:
+        return _resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return None

@@ -46,6 +46,22 @@ class Timing:
     samples: list[float] = field(default_factory=list)
     error: Optional[str] = None
     """The last line of a failed run's error output."""
+    rounds: list[float] = field(default_factory=list)
+    """The median step of each round that finished (their spread is the noise of this layout's time)."""
+
+    @property
+    def noise(self) -> float:
+        """Relative spread of this layout's time: (slowest - fastest round) / median over its rounds; with one round
+        the spread of its steps' middle half (0 when unknown)."""
+        if self.step_s is None:
+            return 0.0
+        vals = self.rounds if len(self.rounds) > 1 else self.samples
+        if len(vals) < 2:
+            return 0.0
+        if len(self.rounds) > 1:
+            return (max(vals) - min(vals)) / self.step_s
+        q = statistics.quantiles(vals, n=4)
+        return (q[2] - q[0]) / self.step_s
 
 
 def _run_once(yaml_path: str, overrides: list[str], world_size: int, steps: int, out_dir: str,
@@ -104,6 +120,8 @@ def time_layouts(doc: dict[str, Any], name: str, candidates: list[Any], world_si
                     t.error = err
                 else:
                     t.samples += times[warmup:]
+                    if times[warmup:]:
+                        t.rounds.append(statistics.median(times[warmup:]))
                 if log is not None:
                     what = f"{statistics.median(times[warmup:]) * 1e3:.1f} ms/step" if not err else f"failed: {err}"
                     log(f"calibrate: round {r + 1}/{rounds}, {t.layout}: {what}")
@@ -112,6 +130,74 @@ def time_layouts(doc: dict[str, Any], name: str, candidates: list[Any], world_si
     for t in timings:
         t.step_s = statistics.median(t.samples) if t.samples else None
     return timings
+
+
+def pick_layouts(ranked: list[Any], k: int, margin: float = 0.1) -> list[Any]:
+    """The ``k`` layouts ``--calibrate`` times: layouts that differ, in the model's order. First the model's best
+    variant of each distinct set of sizes (tp, cp, pp, vpp, dp_outer, dp_shard, ep, expt_tp); when there are fewer than
+    ``k`` of those, the variants (recompute, microbatches) whose modelled time differs by more than ``margin`` from
+    every picked variant of the same sizes; then the rest in the model's order. Timing three variants of one layout
+    that differ by less than the noise of the rounds tells nothing (issue 40)."""
+    picked: list[Any] = []
+    seen: dict[tuple, list[float]] = {}
+
+    def key(c: Any) -> tuple:
+        return tuple(c.sizes.get(a) for a in ("tp", "cp", "pp", "vpp", "dp_outer", "dp_shard", "ep", "expt_tp"))
+
+    for c in ranked:
+        if len(picked) == k:
+            return picked
+        if key(c) not in seen:
+            seen[key(c)] = [c.cost.seconds]
+            picked.append(c)
+    for c in ranked:
+        if len(picked) == k:
+            return picked
+        times = seen[key(c)]
+        if c not in picked and all(abs(c.cost.seconds / t - 1) > margin for t in times):
+            times.append(c.cost.seconds)
+            picked.append(c)
+    picked += [c for c in ranked if c not in picked][:k - len(picked)]
+    return picked
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> Optional[float]:
+    """Kendall's τ-b between two orders (``xs[i]``, ``ys[i]``: one item's two values); None with fewer than 2 items
+    or no pair ordered in both."""
+    n = len(xs)
+    conc = disc = tx = ty = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = xs[i] - xs[j], ys[i] - ys[j]
+            if a == 0 and b == 0:
+                continue
+            if a == 0:
+                tx += 1
+            elif b == 0:
+                ty += 1
+            elif (a > 0) == (b > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
+    return (conc - disc) / denom if denom else None
+
+
+def noise_notes(timed: list[Any], timings: list[Timing]) -> list[str]:
+    """One line per neighbouring pair of measured layouts (fastest first) whose times differ by less than the noise
+    of their own rounds: their order is not measured, only guessed."""
+    by = {t.layout: t for t in timings}
+    out = []
+    for a, b in zip(timed, timed[1:]):
+        ta, tb = by.get(a.label()), by.get(b.label())
+        if ta is None or tb is None or ta.step_s is None or tb.step_s is None:
+            continue
+        gap = tb.step_s / ta.step_s - 1
+        noise = max(ta.noise, tb.noise)
+        if gap <= noise:
+            out.append(f"{a.label()} and {b.label()}: {gap:+.1%} apart, within the noise of their rounds "
+                       f"(up to {noise:.1%}): their order is not measured")
+    return out
 
 
 def apply_timings(result: Any, timings: list[Timing]) -> int:
@@ -125,8 +211,12 @@ def apply_timings(result: Any, timings: list[Timing]) -> int:
         c.measure_error = t.error if t is not None and t.step_s is None else None
         hit += c.measured_s is not None
     order = {id(c): i for i, c in enumerate(result.ranked)}
+    timed = [c for c in result.ranked if c.measured_s is not None]
+    result.kendall_tau = kendall_tau([c.cost.seconds for c in timed], [c.measured_s for c in timed])
     result.ranked.sort(key=lambda c: (c.measured_s is None, c.measured_s if c.measured_s is not None else 0.0,
                                       order[id(c)]))
+    timed = [c for c in result.ranked if c.measured_s is not None]
+    result.noise_notes = noise_notes(timed, timings)
     return hit
 
 
@@ -135,6 +225,8 @@ def fingerprint(shape: Any) -> dict[str, Any]:
     """What a calibration is valid for: every number of the job's :class:`JobShape` except those a layout sets."""
     d = dataclasses.asdict(shape)
     d.pop("microbatches", None)
+    d.pop("micro_batch_size", None)
+    d.pop("branching", None)  # the synthetic data's: no bearing on the step time
     d.pop("schedule", None)
     return d
 
@@ -193,5 +285,5 @@ def load_calibration(path: str, shape: Any, world_size: int) -> list[Timing]:
         if step is not None and (not isinstance(step, (int, float)) or not step > 0):
             raise ConfigError(f"--calibration {path}: timings[{i}].step_s={step!r} is not a positive number")
         out.append(Timing(t["layout"], list(t.get("overrides") or []), step, list(t.get("samples") or []),
-                          t.get("error")))
+                          t.get("error"), [float(x) for x in t.get("rounds") or [] if isinstance(x, (int, float))]))
     return out

@@ -44,14 +44,31 @@ class Hardware:
     """Fixed cost of one collective, microseconds."""
     fp32_factor: float = 0.5
     """Flop rate of float32 / float64 jobs relative to bf16 (TF32 tensor cores: about half)."""
+    op_overhead_us: float = 0.0
+    """Fixed cost of one block's forward and backward per microbatch beyond its flops (kernel launches, Python,
+    FSDP's hooks), microseconds; a third more with recompute. Small on a GPU (hidden behind the kernels), the
+    larger part of a small model's step on a CPU (:mod:`megashard.advisor.machine`)."""
+    device: str = "cuda"
+    """``cuda`` or ``cpu``: what the numbers describe (the report says which). On ``cpu`` the processes share the
+    node's ``cores``: nothing overlaps (communication and compute take turns on the same cores) and a collective
+    of n ranks costs ``latency_us`` for each of its n - 1 ring steps, times ``(n / cores)³`` when its ranks are
+    more than the cores (each step waits for the scheduler to run every member; the power is fitted to step times
+    measured on 2 cores, docs/advisor.md), FSDP's all-gathers add to the step and its gradient reductions overlap
+    with the backward (gloo runs them on its own thread)."""
+    cores: int = 0
+    """CPU cores of a node (``device: cpu``; 0 otherwise)."""
+    name: str = "H100 SXM"
+    """The device the numbers are of, for the report."""
 
     def __post_init__(self) -> None:
         import math
 
         from megashard.errors import ConfigError
 
-        for name in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us", "fp32_factor"):
+        for name in ("tflops", "mfu", "intra_gbps", "inter_gbps", "latency_us", "fp32_factor", "op_overhead_us"):
             v = getattr(self, name)
+            if name == "op_overhead_us" and v == 0:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or (
                     name in ("mfu", "fp32_factor") and v > 1):
                 rule = "in (0, 1]" if name in ("mfu", "fp32_factor") else "a positive number"
@@ -61,6 +78,19 @@ class Hardware:
         """Sustained flops per second for ``train.dtype``."""
         rate = self.tflops * 1e12 * self.mfu
         return rate if dtype == "bfloat16" else rate * self.fp32_factor
+
+    def describe(self, dtype: str) -> str:
+        """The numbers the step time assumes for a job in ``dtype``, in words (the report's ``assumed:`` line)."""
+        if self.device == "cpu":
+            compute = f"{self.name}: {self.tflops * 1e3:.1f} GFLOP/s {dtype} per rank × {self.mfu:g}"
+        elif dtype == "bfloat16":
+            compute = f"{self.name}: {self.tflops:g} TFLOP/s bf16 × {self.mfu:g} MFU"
+        else:
+            compute = (f"{self.name}: {self.tflops * self.fp32_factor:g} TFLOP/s {dtype} ({self.tflops:g} bf16 × "
+                       f"{self.fp32_factor:g}) × {self.mfu:g} MFU")
+        over = f", {self.op_overhead_us:g} µs per block and microbatch" if self.op_overhead_us else ""
+        return (f"{compute}{over}, {self.intra_gbps:g} GB/s in a node, {self.inter_gbps:g} GB/s across nodes, "
+                f"{self.latency_us:g} µs per collective")
 
 
 @dataclass
@@ -108,12 +138,19 @@ def axis_in_node(sz: Any, axis: str, ranks_per_node: int) -> bool:
     return span <= ranks_per_node and ranks_per_node % span == 0
 
 
+def collective_latency(hw: Hardware, n: int) -> float:
+    """Seconds of fixed cost of one collective over ``n`` ranks (:attr:`Hardware.device`)."""
+    if hw.device != "cpu" or not hw.cores:
+        return hw.latency_us * 1e-6
+    return hw.latency_us * 1e-6 * max(1, n - 1) * max(1.0, n / hw.cores) ** 3
+
+
 def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recompute: bool = False) -> StepCost:
     """Seconds of one step of ``s`` in layout ``sz`` (the slowest pipeline stage), and the bytes per axis."""
     tp, cp, pp, vpp, dp = sz.tp, sz.cp, sz.pp, (sz.vpp or 1), sz.dp
     ep, etp = sz.ep, sz.expt_tp
     e = s.act_bytes
-    mb = s.mb(pp)
+    mb = s.mb(pp, sz.dp)
     h = s.hidden
     tokens = s.global_batch * s.seq  # per step, all ranks
     t = tokens // (dp * cp * mb)  # tokens per microbatch on a rank (before tp)
@@ -132,6 +169,8 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
         per_token = per_token * 8 // 6
     ranks_per_stage = tp * cp * dp
     compute = per_token * tokens / ranks_per_stage / hw.flops(s.dtype)
+    # the fixed cost of running a block once per microbatch (launches, Python, hooks), more with a recomputed forward
+    compute += hw.op_overhead_us * 1e-6 * (layers + 1) * mb * (4 / 3 if recompute else 1)
     bubble = (pp - 1) / (vpp * mb) if pp > 1 else 0.0
 
     pb = s.param_bytes
@@ -153,9 +192,12 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
     expert_params = moe_stage * numel(block_params(s, tp, True, ep, etp)[1]) if s.num_experts else 0
     n_fsdp = sz.dp_shard * cp
     gathers = 1 if (pp > 1 and not s.reshard_between_microbatches) else 2 * (mb if pp == 1 else mb)
+    gather_s = 0.0  # the all-gathers' share of the dp seconds: a forward waits for them (on a CPU: nothing hides them)
     if n_fsdp > 1:  # all-gather (compute dtype) per forward / backward, reduce-scatter (fp32) once
         b["dp"] = int((gathers * stage_params * e + stage_params * max(pb, 4)) * (n_fsdp - 1) / n_fsdp)
         count["dp"] = (gathers + 1) * (layers + 1)
+        gather_s = gathers * (layers + 1) * collective_latency(hw, n_fsdp) + (
+            gathers * stage_params * e * (n_fsdp - 1) / n_fsdp) / (hw.intra_gbps * 1e9)
     n_exp = max(1, sz.expt_dp // sz.dp_outer)
     if n_exp > 1 and expert_params:
         b["dp"] += int((gathers * expert_params * e + expert_params * max(pb, 4)) * (n_exp - 1) / n_exp)
@@ -177,13 +219,20 @@ def estimate_step(s: JobShape, sz: Any, hw: Hardware, ranks_per_node: int, recom
 
     comm: dict[str, float] = {}
     in_node: dict[str, bool] = {}
+    group = {"tp": tp, "cp": cp, "dp": n_fsdp, "dp_outer": sz.dp_outer, "ep": ep, "expt_tp": etp, "pp": 2}
     for a in AXES:
         inside = axis_in_node(sz, a, ranks_per_node)
         in_node[a] = inside
         bw = (hw.intra_gbps if inside else hw.inter_gbps) * 1e9
-        comm[a] = b[a] / bw + count[a] * hw.latency_us * 1e-6
+        comm[a] = b[a] / bw + count[a] * collective_latency(hw, group[a])
     exposed = sum(comm[a] for a in ("tp", "cp", "ep", "expt_tp", "pp"))
     overlapped = comm["dp"] + comm["dp_outer"]
-    seconds = compute * (1 + bubble) + exposed + max(0.0, overlapped - compute)
+    if hw.device == "cpu":
+        # the cores that compute also communicate: FSDP's all-gathers (each forward waits for one) add up; the
+        # gradient reductions run on gloo's thread while the next block's backward computes
+        # (measured: HSDP over 4 replicas, whose only collectives are those reductions, was the fastest layout)
+        seconds = compute * (1 + bubble) + exposed + min(gather_s, comm["dp"])
+    else:
+        seconds = compute * (1 + bubble) + exposed + max(0.0, overlapped - compute)
     return StepCost(seconds=seconds, compute_s=compute, bubble=bubble, comm_s=comm, bytes_by_axis=b,
                     in_node=in_node, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)

@@ -35,10 +35,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from megashard.advisor.activations import (  # noqa: F401 - re-exported (their old home)
+    F32,
+    block_activation,
+    head_activation,
+    moe_pair_bytes,
+    moe_pairs,
+)
+from megashard.advisor.schedule import alive_peak, rank_actions
 from megashard.advisor.shape import JobShape, block_params, numel, root_params, sharded_numel
-
-#: Bytes of an fp32 scalar the CPU kernels keep per token (LayerNorm mean / rstd, log-sum-exp …).
-F32 = 4
 
 
 @dataclass
@@ -62,82 +67,6 @@ class MemoryEstimate:
     """Bytes of one MoE block's expert parameters on this rank after ep / expt_tp / FSDP (0 without experts)."""
     phases: dict[str, int] = field(default_factory=dict)
     """Bytes at every moment the estimate weighs (``forward end``, ``backward block i``, ``optimizer step``)."""
-
-
-def block_activation(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1,
-                     seq_local: int | None = None, cp: int = 1) -> int:
-    """Bytes one block saves for backward for ``t`` tokens on this rank (``[b, s/cp]`` flattened).
-
-    ``gpt``: block input, LayerNorm outputs (2 · t·h) and their mean/rstd, the input of the second LayerNorm (t·h),
-    the fused QKV output (3 · t·h/tp: q, k, v are views of it), attention output (t·h/tp; SDPA returns it in the
-    projection's layout), attention log-sum-exp (t · heads/tp, fp32), fc1 and GELU outputs (2 · t·ffn/tp).
-    ``llama``: RMSNorm keeps its input, normalised input and output (t·h each; under bf16 an fp32 copy instead of the
-    input), SDPA the rotated q and k (2 · t·h/tp) besides v's QKV storage, the cos / sin tables cast per call, SwiGLU
-    four t·ffn/tp tensors. MoE blocks replace the
-    MLP by the router's probabilities and, per routed (token, expert) pair, the expert's input, output and hidden
-    activations (pairs = t·top_k/tp, spread evenly over the ep ranks).
-    """
-    e = s.act_bytes
-    h, a = s.hidden, s.heads // tp
-    gpt = s.arch == "gpt"
-    upcast = not gpt and e != F32  # RMSNorm computes in fp32: it keeps the fp32 copy, not the bf16 input
-    norm_in = 0 if upcast else t * h * e  # the norm's input (the residual stream), kept by the norm
-    if gpt:
-        norm = t * h * e + 2 * t * F32
-    else:
-        norm = 2 * t * h * e + t * F32 + (t * h * F32 if upcast else 0)
-    attn = (3 + 1) * t * h // tp * e + t * a * F32  # qkv; SDPA output (its [b, s, heads, d] layout: no copy)
-    if not gpt:  # rotated q and k (SDPA's inputs) and the cos / sin tables cast to the dtype, twice
-        attn += 2 * t * h // tp * e + 4 * (seq_local or s.seq) * (h // s.heads) * e
-    if cp > 1:
-        # SDPA keeps the keys and values all-gathered over cp (cp · t tokens each) and the causal mask of this chunk
-        # as an additive float tensor [s/cp, s]; llama's q is the rotated copy and v its gathered copy, so the QKV
-        # output is no longer kept there (measured: one t·h/tp more than q's rotated copy stays, the rotary's)
-        local = seq_local or s.seq // cp
-        attn += 2 * cp * t * h // tp * e + local * local * cp * e
-        if not gpt:
-            attn -= 3 * t * h // tp * e
-    out = norm_in + norm + attn + norm_in + norm  # ln1 (input, output), attention, ln2 (input, output)
-    if moe:
-        # pairs arrive from every ep rank: the busiest rank gets up to the imbalance bound's share
-        out += t * s.num_experts * e + t * s.top_k * (8 + 2 * e)  # router softmax, top-k ids and gates
-        out += moe_pairs(s, t, tp, ep, expt_tp) * moe_pair_bytes(s, expt_tp)
-    else:
-        f = s.ffn // tp
-        out += (2 if gpt else 4) * t * f * e
-    return out
-
-
-def moe_pairs(s: JobShape, t: int, tp: int, ep: int = 1, expt_tp: int = 1) -> int:
-    """(token, expert) pairs the busiest ep rank's experts run for ``t`` tokens: ``t · top_k / tp`` per rank, times
-    expt_tp (its group runs its ranks' tokens together), times the routing-imbalance bound with ``ep > 1``."""
-    pairs = t * s.top_k // tp * expt_tp
-    return math.ceil(pairs * s.moe_imbalance) if ep > 1 else pairs
-
-
-def moe_pair_bytes(s: JobShape, expt_tp: int = 1) -> int:
-    """Bytes one routed pair keeps for backward: the expert's input and output, its hidden activations (gpt: fc1 and
-    GELU; llama: gate, SiLU, up, product), the output the gate weight multiplies, index tensors."""
-    e, h, f = s.act_bytes, s.hidden, s.ffn // expt_tp
-    return (2 * h + (2 if s.arch == "gpt" else 4) * f) * e + 3 * 8 + h * e
-
-
-def head_activation(s: JobShape, t: int, tp: int, stage_output: bool = False) -> tuple[int, int]:
-    """``(saved, backward_peak_extra)`` bytes of the last stage's final norm, head and loss for ``t`` tokens.
-
-    Saved: the last block's output, the final norm's tensors and the softmax (fp32, t · vocab/tp). At the start of
-    backward its gradient and a one-hot (or nll) scratch tensor of the same size join it, and a bf16 copy of the
-    gradient under bf16.
-    """
-    e, h, V = s.act_bytes, s.hidden, s.vocab // tp
-    upcast = s.arch != "gpt" and e != F32
-    norm = t * h * e + 2 * t * F32 if s.arch == "gpt" else 2 * t * h * e + t * F32 + (t * h * F32 if upcast else 0)
-    logits = t * V * F32
-    saved = (0 if upcast else t * h * e) + norm + logits + t * 9  # + target ids and the out-of-range mask (tp > 1)
-    if stage_output:  # a pipeline's last stage: the schedule keeps its output (the logits) until its backward
-        saved += t * V * e
-    extra = 2 * t * V * F32 + (t * V * e if e != F32 else 0)
-    return saved, extra
 
 
 def inflight_microbatches(s: JobShape, pp: int, vpp: int, r: int, mb: int) -> float:
@@ -184,9 +113,10 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     n_dense = sz.dp_shard * cp  # FSDP shard group of dense parameters
     n_expert = max(1, sz.expt_dp // sz.dp_outer)  # expert FSDP shard group (inside an HSDP replica)
     pb, e = s.param_bytes, s.act_bytes
-    mb = s.mb(pp)
+    mb = s.mb(pp, sz.dp)
     b_micro = s.global_batch // (sz.dp * mb)
     t = b_micro * s.seq // cp  # tokens per microbatch on this rank
+    h = s.hidden
 
     stages = _stages_of(s, pp, vpp, r)
     dense: list[tuple[int, int]] = []
@@ -196,11 +126,11 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     expert_big: list[int] = []  # elements of each block's largest expert tensor (0: a dense block)
     expert_n: list[int] = []  # how many expert tensors of that size (gpt: w1, w2; llama: w1, w3, w2)
     pairs_of: list[int] = []  # routed pairs of each block's experts per microbatch (0: a dense block)
+    stage_of: list[int] = []  # the local stage of each block
     moe_shard = 0
-    first = any(st[0] for st in stages)
     last = any(st[1] for st in stages)
     root = []
-    for is_first, is_last, layers in stages:
+    for v, (is_first, is_last, layers) in enumerate(stages):
         root += root_params(s, tp, is_first, is_last)
         for i in layers:
             moe = s.is_moe(i)
@@ -212,6 +142,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             expert_n.append(sum(a * b == expert_big[-1] for a, b in x))
             pairs_of.append(moe_pairs(s, t, tp, ep, etp) if moe else 0)
             acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp, cp))
+            stage_of.append(v)
             if x:
                 moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
     dense += root
@@ -222,51 +153,50 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     optim = 2 * shard * pb + n_tensors * F32  # exp_avg, exp_avg_sq, and a step counter per tensor
     data = s.synthetic_sequences * (s.seq + 1) * 8
     ce = e  # the dtype FSDP gathers parameters in (bf16 under mixed precision, else the master dtype)
+    gb = max(ce, 4 if ce == 2 else ce)  # a gradient element's bytes (reduced in fp32 under bf16)
     root_u = numel(root) * ce
     head_saved, head_extra = head_activation(s, t, tp, pp > 1) if last else (0, 0)
-    embed_saved = t * 8 if first else 0  # the embedding keeps the token ids
+    act = t * h * e  # one [tokens, hidden] activation of a microbatch
 
     if recompute:
-        kept = [t * s.hidden * e // (tp if distribute_saved and pp == 1 else 1) for _ in acts]
+        kept = [t * h * e // (tp if distribute_saved and pp == 1 else 1) for _ in acts]
         # one block recomputed at a time in backward: its saved tensors and its recomputed output, whose gradient the
         # rerun's backward starts from
-        rerun = (max(acts) + t * s.hidden * e) if acts else 0
+        rerun = [a + t * h * e for a in acts]
     else:
-        kept, rerun = acts, 0
-    per_mb = sum(kept) + head_saved + embed_saved
-    inflight = inflight_microbatches(s, pp, vpp, r, mb)
-    if pp > 1:
-        # Every stage of the rank (two or more under interleaved schedules) has its own buffers: a non-first one
-        # receives its input into a buffer per microbatch (its first block's saved input), a non-last one a gradient
-        # buffer per microbatch, and keeps its output for backward.
-        act = t * s.hidden * e
-        bufs = sum((0 if st_first else mb * act) + (0 if st_last else mb * act) for st_first, st_last, _ in stages)
-        per_mb += sum((0 if st_last else act) - (0 if st_first else act) for st_first, st_last, _ in stages)
-    else:
-        bufs = 0
-    act_total = int(per_mb * inflight)
+        kept, rerun = acts, [0] * len(acts)
+    # activations one microbatch keeps on each local stage: its blocks', the head's (last), the token ids (first); in a
+    # pipeline a non-last stage also keeps its output for backward, and a non-first one's input lives in a receive
+    # buffer (counted with the buffers, below)
+    stage_act = [0] * len(stages)
+    for v, (st_first, st_last, _) in enumerate(stages):
+        stage_act[v] = sum(k for k, sv in zip(kept, stage_of) if sv == v)
+        stage_act[v] += (head_saved if st_last else 0) + (t * 8 if st_first else 0)
+        if pp > 1:
+            stage_act[v] += (0 if st_last else act) - (0 if st_first else act)
+    # every stage of a pipeline rank has a receive buffer per microbatch: activations (non-first), gradients (non-last)
+    bufs = sum((0 if a else mb * act) + (0 if b else mb * act) for a, b, _ in stages) if pp > 1 else 0
 
     state = params + optim + data
-    phases: dict[str, tuple[int, dict[str, int]]] = {}
-    # optimizer step: gradients and one scratch copy of the shard (foreach sqrt of exp_avg_sq)
-    phases["optimizer step"] = (state + grads + shard * pb + bufs,
-                                {"grads": grads, "transient": shard * pb + bufs})
+    n = len(blocks)
     block_u = [(d + x) * ce for d, x in blocks]
-    block_g = [(d + x) * max(ce, 4 if ce == 2 else ce) for d, x in blocks]  # grads reduced in fp32 under bf16
-    accumulate = pp > 1 or mb > 1  # unsharded gradients kept until the last microbatch
+    block_g = [(d + x) * gb for d, x in blocks]  # a block's unsharded gradients
+    block_s = [-(-d * gb // max(1, n_dense)) + -(-x * gb // max(1, n_expert)) for d, x in blocks]  # ... sharded
+    root_g = numel(root) * gb
+    head_g = (numel(root_params(s, tp, False, True)) if last else 0) * gb  # final norm and head: first gradients
     gathered_all = pp > 1 and not s.reshard_between_microbatches
     all_u = sum(block_u) + root_u
     # the start of a block's backward: its output's gradient, the MLP's hidden gradients, the last weight's gradient
     f_loc = s.ffn // (etp if any(x for _, x in blocks) else tp)
-    start_bwd = (t * s.hidden + 2 * t * f_loc) * e + s.hidden * f_loc * pb
+    # (recompute: the block's backward runs on its recomputed tensors, which it frees as it goes: measured, the MLP's
+    # second hidden gradient comes after the first hidden activation is gone)
+    start_bwd = (t * h + (1 if recompute else 2) * t * f_loc) * e + h * f_loc * pb
     if s.arch != "gpt" and e != F32:
         # an RMSNorm computing in fp32 under bf16 differentiates in fp32: its input's gradient, x² and the scaled
         # terms (three [t, h] fp32 tensors) at once, twice the bytes of the bf16 tensors around it
-        start_bwd += 3 * t * s.hidden * F32
-    # end of forward / start of backward: every saved activation plus the loss's gradients (blocks resharded)
-    n = len(blocks)
+        start_bwd += 3 * t * h * F32
     if gathered_all:
-        kept_u = [block_u[i] for i in range(n)]
+        kept_u = list(block_u)
     else:
         # FSDP reshards a block after its forward only where its mesh (HSDP replicas included) has more than one
         # rank, and never the last block (its backward comes next; megashard.models.parallelize)
@@ -285,63 +215,118 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             ag_buf, ag_into_bwd = x_last * ce, True
         elif n_dense > 1:
             ag_buf = d_last * ce
-    phases["forward end"] = (state + g_fwd + ag_buf + act_total + head_extra + bufs,
-                             {"gathered": g_fwd, "activations": act_total, "logits": head_extra,
-                              "transient": bufs + ag_buf})
-    # backward of block i (last to first): at its start every earlier activation is alive; at its end its unsharded
-    # gradients and the reduce-scatter's copy of them (later blocks' gradients are sharded already)
-    head_g = (numel(root_params(s, tp, False, True)) if last else 0) * pb  # final norm and head: first gradients
-    done_grads = 0
-    for i in range(n - 1, -1, -1):
-        if gathered_all:
-            g = all_u
-        else:  # this block, the prefetched next, and the earlier blocks never resharded (blocks resharded after backward)
-            g = root_u + block_u[i] + (block_u[i - 1] if i > 0 else 0) + sum(kept_u[:max(0, i - 1)])
-        before = int((per_mb - sum(kept[i + 1:]) - head_saved) * inflight) + rerun  # activations of blocks <= i
-        after = int((per_mb - sum(kept[i:]) - head_saved) * inflight)
-        if accumulate:
-            # every unsharded gradient until the last microbatch, the stage's embeddings and head included
-            grads_start = grads_end = sum(block_g) + numel(root) * max(ce, 4 if ce == 2 else ce)
-        else:
-            grads_start = head_g + done_grads
-            # experts index their stacked weights (w1[e]): each expert's gradient arrives as a full-size tensor
-            # (select_backward) summed into the weight's, so one more of the largest is alive meanwhile
-            grads_end = head_g + done_grads + 2 * block_g[i] + expert_big[i] * max(ce, 4 if ce == 2 else ce)
-        held = ag_buf if ag_into_bwd and i == n - 1 else 0
-        gb = max(ce, 4 if ce == 2 else ce)  # a gradient element's bytes (fp32 under bf16)
-        # the block's backward begins by prefetching the next block, which releases the held all-gather buffer; an MoE
-        # block's MLP gradients come in the experts' moment below (its start has only the output's gradient)
-        prefetch = block_u[i - 1] if i > 0 and not gathered_all else 0
-        held = max(0, held - prefetch)
-        start = start_bwd if not pairs_of[i] else t * s.hidden * e
-        a_total = state + g + before + start + grads_start + bufs + held
-        b_total = state + g + after + grads_end + bufs
-        moments = [(a_total, f"backward block {i}", {"gathered": g, "activations": before + start,
-                                                     "grads": grads_start, "transient": bufs + held}),
-                   (b_total, f"backward block {i} (reduce-scatter)", {"gathered": g, "activations": after,
-                                                                      "grads": grads_end, "transient": bufs})]
-        if pairs_of[i]:
-            # the experts' backward, one expert after another (the first one's activations freed): each stacked
-            # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
-            # summed into out of place, so every weight's running sum plus a new one and their sum are alive; beside
-            # them the output's gradient, the pairs' gradients received and scattered back, one expert's hidden one.
-            # The held all-gather buffer is gone: the block's backward began by prefetching the next block's.
-            per_expert = pairs_of[i] // max(1, s.num_experts // ep)
-            work = (expert_n[i] + 2) * expert_big[i] * gb
-            grads_moe = (t * s.hidden + 2 * pairs_of[i] * s.hidden + per_expert * (s.ffn // etp)) * e
-            c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
-            moments.append((state + g + c_act + grads_start + work + bufs, f"backward block {i} (experts)",
-                            {"gathered": g, "activations": c_act, "grads": grads_start + work, "transient": bufs}))
-        total, name, parts_i = max(moments, key=lambda m: m[0])
-        phases[name] = (total, parts_i)
-        # its gradients are sharded now: dense ones over n_dense, experts over their own (maybe 1-rank) group
-        done_grads += -(-blocks[i][0] * gb // max(1, n_dense)) + -(-blocks[i][1] * gb // max(1, n_expert))
+
+    phases: dict[str, tuple[int, dict[str, int]]] = {}
+
+    def moment(name: str, total: int, parts: dict[str, int]) -> None:
+        if name not in phases or total > phases[name][0]:
+            phases[name] = (total, parts)
+
+    # optimizer step: sharded gradients and one scratch copy of the shard (foreach sqrt of exp_avg_sq)
+    moment("optimizer step", state + grads + shard * pb + bufs, {"grads": grads, "transient": shard * pb + bufs})
+
+    # Walk the schedule (megashard.advisor.schedule): which microbatches' activations are alive, and which gradients
+    # exist. Without a pipeline, microbatches accumulate under FSDP's no-sync (every unsharded gradient kept) until
+    # the last, whose backward reduce-scatters block by block; a pipeline stage keeps every unsharded gradient from
+    # its first backward until the end of the step, when they are reduce-scattered.
+    grad_state = [0] * n  # 0: none, 1: unsharded (accumulated), 2: sharded (reduced this step)
+    any_backward = False
+    alive: dict[tuple[int, int], int] = {}
+    by_stage = [[j for j in range(n) if stage_of[j] == v] for v in range(len(stages))]
+
+    def grads_now(head_started: bool) -> int:
+        g = sum(block_g[j] if st == 1 else block_s[j] if st == 2 else 0 for j, st in enumerate(grad_state))
+        return g + (root_g if any_backward else head_g if head_started else 0)
+
+    for kind, v, m in rank_actions(s.schedule, pp, vpp, mb, r):
+        st_last = stages[v][1]
+        if kind == "F":
+            alive[(v, m)] = stage_act[v]
+            a_all = sum(alive.values())
+            gr = grads_now(False)
+            if not st_last or pp > 1:
+                moment("forward end" if pp == 1 else f"forward, microbatch {m}",
+                       state + g_fwd + a_all + gr + bufs, {"gathered": g_fwd, "activations": a_all, "grads": gr,
+                                                           "transient": bufs})
+            continue
+        sync = pp == 1 and m == mb - 1  # the microbatch whose backward reduce-scatters
+        other = sum(a for key, a in alive.items() if key != (v, m))
+        if st_last:  # the loss's backward starts: every activation alive, the logits' gradients
+            a_all = other + stage_act[v]
+            gr = grads_now(False)
+            total = state + g_fwd + ag_buf + a_all + head_extra + gr + bufs
+            moment("forward end" if pp == 1 else "backward start", total,
+                   {"gathered": g_fwd, "activations": a_all, "logits": head_extra, "grads": gr,
+                    "transient": bufs + ag_buf})
+        mine = stage_act[v] - (head_saved if st_last else 0)
+        rs_held = 0  # FSDP2 keeps the last reduce-scatter's input until the next block's post-backward
+        for j in reversed(by_stage[v]):
+            i = j  # the block's index among the rank's blocks, forward order
+            if gathered_all:
+                g = all_u
+            else:  # this block, the prefetched next, and the earlier blocks never resharded (blocks resharded after backward)
+                g = root_u + block_u[i] + (block_u[i - 1] if i > 0 else 0) + sum(kept_u[:max(0, i - 1)])
+            before = other + mine + rerun[i]  # activations of this microbatch's blocks <= i, and the others'
+            after = other + mine - kept[i]
+            mine -= kept[i]
+            gr = grads_now(True)
+            held = ag_buf if ag_into_bwd and i == n - 1 and pp == 1 else 0
+            # the block's backward begins by prefetching the next block, which releases the held all-gather buffer; an
+            # MoE block's MLP gradients come in the experts' moment below (its start has only the output's gradient)
+            prefetch = block_u[i - 1] if i > 0 and not gathered_all else 0
+            held = max(0, held - prefetch)
+            start = start_bwd if not pairs_of[i] else t * h * e
+            moment(f"backward block {i}", state + g + before + start + gr + bufs + held + rs_held,
+                   {"gathered": g, "activations": before + start, "grads": gr, "transient": bufs + held + rs_held})
+            # its end: its new unsharded gradients (experts: each stacked weight's gradient arrives as a full-size
+            # tensor, select_backward, summed into the weight's: one more of the largest alive meanwhile); reduced
+            # now (no pipeline, mb = 1 or the last microbatch: autograd's gradients and the reduce-scatter's copy),
+            # or accumulated into the unsharded ones kept
+            new = block_g[i] + expert_big[i] * gb
+            reduced = pp == 1 and (sync or mb == 1)
+            # reduced: autograd's gradients (or, on gloo, its reduce-scatter's copy of the input) and the input, and
+            # the sharded output
+            end_g = gr + new + ((block_g[i] if grad_state[i] != 1 else 0) + block_s[i] if reduced else 0)
+            # FSDP2 frees the block's unsharded parameters (reshard after backward) before it reduce-scatters
+            g_rs = g - (0 if gathered_all else block_u[i])
+            moment(f"backward block {i} (reduce-scatter)", state + g_rs + after + end_g + bufs,
+                   {"gathered": g_rs, "activations": after, "grads": end_g, "transient": bufs})
+            if pairs_of[i]:
+                # the experts' backward, one expert after another (the first one's activations freed): each stacked
+                # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
+                # summed into out of place, so every weight's running sum plus a new one and their sum are alive;
+                # beside them the output's gradient, the pairs' gradients received and scattered back, one expert's
+                # hidden one. The held all-gather buffer is gone: the block's backward began by prefetching.
+                per_expert = pairs_of[i] // max(1, s.num_experts // ep)
+                work = (expert_n[i] + 2) * expert_big[i] * gb
+                grads_moe = (t * h + 2 * pairs_of[i] * h + per_expert * (s.ffn // etp)) * e
+                c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
+                moment(f"backward block {i} (experts)", state + g + c_act + gr + work + bufs + rs_held,
+                       {"gathered": g, "activations": c_act, "grads": gr + work, "transient": bufs + rs_held})
+            grad_state[i] = 2 if reduced else 1
+            rs_held = block_g[i] if reduced and n_dense > 1 else 0
+        if stages[v][0]:
+            # the embedding's backward: its new gradient, beside the one accumulated from earlier microbatches
+            emb = (s.vocab // tp) * h * gb
+            g = all_u if gathered_all else root_u
+            a_rest = other + stage_act[v] - sum(kept[j] for j in by_stage[v]) - (head_saved if st_last else 0)
+            gr = grads_now(True)
+            moment("embedding backward", state + g + a_rest + gr + emb + bufs + rs_held,
+                   {"gathered": g, "activations": a_rest, "grads": gr + emb, "transient": bufs + rs_held})
+        alive.pop((v, m), None)
+        any_backward = True
+    if pp > 1:  # the end of the step: every stage's unsharded gradients reduce-scattered, one block's copy at a time
+        g = all_u if gathered_all else root_u
+        gr = grads_now(True)
+        moment("reduce-scatter (end of step)", state + g + gr + max(block_g, default=0) + bufs,
+               {"gathered": g, "grads": gr + max(block_g, default=0), "transient": bufs})
     phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     at = {k.replace(" (reduce-scatter)", "").replace(" (experts)", ""): v for k, (v, _) in phases.items()}
     full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
             "transient": 0, "data": data}
     full.update(parts)
+    inflight = max(alive_peak(rank_actions(s.schedule, pp, vpp, mb, r), len(stages)), default=1)
     return MemoryEstimate(peak=int(peak), rank=r, phase=phase, parts=full,
                           activation_per_block=(acts[0] if acts else 0),
-                          activation_kept_per_block=(kept[0] if kept else 0), inflight=math.ceil(inflight),
+                          activation_kept_per_block=(kept[0] if kept else 0), inflight=inflight,
                           largest_moe_shard=moe_shard, phases=at)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from megashard.advisor.cost import Hardware, StepCost, estimate_step
+from megashard.advisor.host import estimate_host
 from megashard.advisor.memory import MemoryEstimate, estimate_memory
 from megashard.advisor.shape import JobShape
 from megashard.models.config import default_ffn_hidden
@@ -45,6 +46,19 @@ class Candidate:
     """Seconds per step measured on this machine (``--calibrate`` / ``--calibration``; None: only modelled)."""
     measure_error: Optional[str] = None
     """Why its calibration run failed."""
+    traced: Any = None
+    """Its traced peak (:class:`~megashard.advisor.trace.TracedPeak` of the largest rank traced; None: not traced)."""
+    trace_error: Optional[str] = None
+    host: Any = None
+    """Its host memory per rank (:class:`~megashard.advisor.host.HostEstimate`)."""
+
+    @property
+    def peak(self) -> int:
+        """The peak that decides whether it fits: traced when traced, else modelled."""
+        modelled = self.memory.peak if self.memory is not None else 0
+        if self.traced is not None:
+            return max(self.traced.peak, modelled) if self.traced.partial else self.traced.peak
+        return modelled
 
     def label(self) -> str:
         """``tp=2 cp=1 pp=4 vpp=2 dp_outer=1 dp_shard=8 ep=1 expt_tp=1 recompute=off mb=8``."""
@@ -87,6 +101,20 @@ class Suggestion:
     considered: int = 0
     moe_imbalance: Optional[float] = None
     """The routing-imbalance bound MoE memory assumed (None: the job has no experts)."""
+    dtype: str = "float32"
+    """The job's ``train.dtype`` (the step time's flop rate is for it)."""
+    notes: list[str] = field(default_factory=list)
+    """Where the world size, ranks per node, device, memory and hardware came from (the CLI fills it)."""
+    kendall_tau: Optional[float] = None
+    """After calibration: Kendall's τ between the model's order and the measured order of the timed layouts."""
+    noise_notes: list[str] = field(default_factory=list)
+    """After calibration: neighbouring measured layouts whose difference is within the noise of their rounds."""
+    device: str = "cuda"
+    """The device the job runs on (``cpu``: host memory includes the tensors)."""
+    traced_count: int = 0
+    """Layouts whose memory was traced (:func:`megashard.advisor.trace.certify`)."""
+    trace_seconds: float = 0.0
+    trace_notes: list[str] = field(default_factory=list)
 
 
 def _divisors(n: int) -> list[int]:
@@ -216,7 +244,8 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
     shape = shape or JobShape.from_job(job)
     v = _Validator(job, world_size)
     out = Suggestion(world_size, device_memory, ranks_per_node, hw,
-                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None)
+                     moe_imbalance=shape.moe_imbalance if shape.num_experts else None, dtype=shape.dtype,
+                     device=hw.device)
     for c in candidates(shape, world_size, ranks_per_node, job.train.pipeline_schedule):
         out.considered += 1
         try:
@@ -228,9 +257,10 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
         if problem:
             out.rejected.append((c, problem))
             continue
-        cs = dataclasses.replace(shape, microbatches=c.microbatches, schedule=c.schedule)
+        cs = dataclasses.replace(shape, microbatches=c.microbatches, micro_batch_size=None, schedule=c.schedule)
         c.memory = estimate_memory(cs, c.resolved, c.recompute, job.model.distribute_saved_activations and c.recompute)
         c.cost = estimate_step(cs, c.resolved, hw, ranks_per_node, c.recompute)
+        c.host = estimate_host(cs, hw.device, c.memory.peak)
         (out.ranked if c.memory.peak <= device_memory else out.too_big).append(c)
     out.ranked.sort(key=lambda c: (c.cost.seconds, c.memory.peak))
     out.too_big.sort(key=lambda c: c.memory.peak)

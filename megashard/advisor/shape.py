@@ -33,11 +33,16 @@ class JobShape:
     dropout: float = 0.0
     global_batch: int = 16
     microbatches: int | None = None
+    micro_batch_size: int | None = None
+    """``train.micro_batch_size``: sequences per microbatch (the microbatches follow from dp) when microbatches is
+    None."""
     dtype: str = "float32"
     schedule: str = "1f1b"
     reshard_between_microbatches: bool = False
     synthetic_sequences: int = 0
     """Sequences of synthetic data every rank holds in memory (int64; 0 for memory-mapped data)."""
+    branching: int = 4
+    """``data.branching``: successors of each token in the synthetic data's Markov chain (its set-up's tables)."""
     moe_imbalance: float = 1.1
     """The routing-imbalance bound of MoE memory: the busiest ep rank's experts receive at most this multiple of
     the even share of routed (token, expert) pairs (1: perfectly balanced; the worst case is
@@ -50,9 +55,11 @@ class JobShape:
         return cls(arch=m.arch, vocab=m.vocab_size, seq=m.seq_len, hidden=m.hidden, layers=m.layers, heads=m.heads,
                    ffn=m.ffn_hidden or default_ffn_hidden(m), num_experts=m.num_experts,
                    moe_every=m.moe_every, top_k=m.moe_top_k, tie=m.tie_embeddings, dropout=m.dropout,
-                   global_batch=t.global_batch, microbatches=t.microbatches, dtype=t.dtype,
+                   global_batch=t.global_batch, microbatches=t.microbatches,
+                   micro_batch_size=t.micro_batch_size, dtype=t.dtype,
                    schedule=t.pipeline_schedule, reshard_between_microbatches=t.reshard_between_microbatches,
-                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0)
+                   synthetic_sequences=d.num_sequences if d.source == "synthetic" else 0, branching=d.branching,
+                   moe_imbalance=default_moe_imbalance(m.moe_top_k))
 
     @property
     def act_bytes(self) -> int:
@@ -67,9 +74,21 @@ class JobShape:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
-    def mb(self, pp: int) -> int:
-        """Microbatches per step and data-parallel rank (train.microbatches, or pp when null)."""
-        return self.microbatches if self.microbatches is not None else pp
+    def mb(self, pp: int, dp: int | None = None) -> int:
+        """Microbatches per step and data-parallel rank: train.microbatches; else global_batch / (dp ·
+        micro_batch_size) when that is set (as :meth:`JobConfig.microbatches`); else pp."""
+        if self.microbatches is not None:
+            return self.microbatches
+        if self.micro_batch_size and dp:
+            return max(1, self.global_batch // (dp * self.micro_batch_size))
+        return pp
+
+
+def default_moe_imbalance(top_k: int) -> float:
+    """The routing-imbalance bound MoE memory assumes unless given (``--moe-imbalance``): 1.1 for top-k ≥ 2, 1.3 for
+    top-1 — a token's pairs all go to one rank, nothing averages over its choices; measured with fresh routers on the
+    held-out jobs of tests/test_advisor_memory.py (the busiest of 4 ep ranks, top-1: 1.25)."""
+    return 1.3 if top_k == 1 else 1.1
 
 
 def block_params(s: JobShape, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

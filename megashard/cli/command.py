@@ -6,6 +6,7 @@
     megashard ckpt inspect|consolidate ...                # checkpoints offline (docs/checkpoint_io.md)
     megashard data prepare|inspect ...                    # tokenized training data (docs/data.md)
     megashard doctor RUN_DIR [--format table|json]        # which ranks a hung collective waited for (docs/doctor.md)
+    megashard check SCRIPT [ARGS...] --world-size N       # every rank's collectives checked before launch (docs/rehearse.md)
 
 Each subcommand lives in a module (:mod:`megashard.cli.plan`, ``run``, ``ckpt``, ``data``, ``doctor``) whose
 ``add(subparsers)`` builds its parser and sets ``handler`` (a function ``args -> exit code``); shared pieces are in
@@ -20,13 +21,14 @@ import argparse
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from megashard.cli import ckpt, data, doctor, plan, run
+from megashard.cli import check, ckpt, data, doctor, plan, run
 from megashard.cli.options import Handler
 from megashard.errors import MegashardError, error_line
 
 
 #: Every subcommand's parser builder, in --help order. A new subcommand: a module with `add(sub)`, appended here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [plan.add, run.add, ckpt.add, data.add, doctor.add]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [plan.add, run.add, check.add, ckpt.add, data.add,
+                                                                  doctor.add]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -123,6 +123,8 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard plan {DEFAULT_CONFIG} --world-size 131072 parallel.tp=8 parallel.dp_shard=-1 --format json --groups tp,pp\n"
             f"  megashard plan {DEFAULT_CONFIG} --world-size 64 parallel.dp_shard=-1 parallel.ep=4 --svg layout.svg\n"
             f"  megashard plan {DEFAULT_CONFIG} launch.nnodes=1:4 launch.nproc_per_node=2   # elastic: every world size\n"
+            f"  megashard plan {DEFAULT_CONFIG} --suggest --trace 0\n"
+            f"  megashard plan {DEFAULT_CONFIG} --memory --no-trace\n"
             "  megashard plan configs/llama-1b.yaml --suggest --world-size 64 --device-memory 80GiB --ranks-per-node 8\n"
             "\nsize flags win over CONFIG's values; a multi-module CONFIG (modules: list) shows every module and seam\n"
             "\na job that `megashard run` would refuse (e.g. more pipeline stages than layers) gets a warning line\n"
@@ -150,8 +152,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rank", "-r", type=int, default=0, metavar="R", help="rank whose groups are shown (default 0)")
     p.add_argument(
-        "--ranks-per-node", "-g", type=int, default=8, metavar="G",
-        help="ranks per node for the locality report and the picture; node = rank // G (default 8)",
+        "--ranks-per-node", "-g", type=int, default=None, metavar="G",
+        help="ranks per node for the locality report and the picture; node = rank // G (default 8; with --suggest "
+        "the config's launch.nproc_per_node)",
     )
     p.add_argument(
         "--format", "-f", choices=("table", "json"), default="table",
@@ -173,6 +176,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="largest number of ranks drawn; bigger worlds show their first whole nodes (default 512)",
     )
     p.add_argument("--strict", action="store_true", help="exit 1 when the locality report has warnings")
+    p.add_argument("--memory", action="store_true",
+                   help="also the memory per rank of this layout: modelled, traced (one step of the rank that peaks "
+                        "on the fake backend, live tensor bytes) and host memory (peak RSS growth); docs/advisor.md")
     from megashard.cli.suggest import add_suggest_options
 
     add_suggest_options(p)
@@ -185,6 +191,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.suggest:
         return cmd_suggest(args)
     check_not_suggest(args)
+    if args.ranks_per_node is None:
+        args.ranks_per_node = 8
     from megashard.layout import GROUP_NAMES, RankLayout, locality
     from megashard.layout.plan import (MAX_LISTED_RANKS, build_plan, check_listing, default_names, format_table,
                                        plan_to_json)
@@ -270,6 +278,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         refusal = run_refusal(job, sizes, launch_world_size(job.to_dict()))
         if refusal:
             plan["run_refuses"] = refusal
+    memory_lines: list[str] = []
+    if args.memory:
+        if job is None:
+            raise ConfigError("--memory sizes a job's memory: give a job config with a model section (e.g. "
+                              f"{DEFAULT_CONFIG}), not only a layout")
+        from megashard.cli.suggest import layout_memory
+
+        from megashard.advisor.units import parse_bytes
+
+        plan["memory"], memory_lines = layout_memory(job, sizes, refusal, trace=not args.no_trace and args.trace > 0,
+                                                     limit=parse_bytes(args.trace_limit, "--trace-limit"))
     if as_json:
         plan = {"config": args.config, "overrides": list(args.overrides), "flags": flags, **plan}
         sys.stdout.write(plan_to_json(plan) + "\n")
@@ -278,6 +297,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         table = format_table(plan, args.max_members, source)
         if placement is not None:
             table += "\n".join(format_placement(placement)) + "\n"
+        if memory_lines:
+            table += "\n".join(memory_lines) + "\n"
         sys.stdout.write(table)
     if refusal:
         print(f"megashard plan: warning: {refusal}", file=sys.stderr)

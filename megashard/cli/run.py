@@ -32,8 +32,10 @@ def add(sub: argparse._SubParsersAction) -> None:
             f"  megashard run {DEFAULT_CONFIG} launch.nnodes=1:2 launch.nproc_per_node=2 launch.rdzv_endpoint=node0:29500"
             "   # elastic, on every node (docs/elastic.md)\n"
             f"  megashard run {DEFAULT_CONFIG} --dry-run          # validate and print the torchrun command\n"
+            f"  megashard run {DEFAULT_CONFIG} --dry-run --collectives   # and check every rank's collectives\n"
             "\nexit codes: 0 ok (or nothing to do: the checkpoint is at train.steps), 1 the job failed (rerun to resume), "
-            "2 invalid config or usage, a checkpoint of another model, a fresh start (train.resume=false) into an "
+            "2 invalid config or usage, calls of the ranks that would hang (the check before launch; with --dry-run "
+            "--collectives: 1), a checkpoint of another model, a fresh start (train.resume=false) into an "
             "earlier run's checkpoints, or a checkpoint directory another live job holds (no process started), or an "
             "error of the job that a restart cannot fix; 130 stopped by Ctrl-C"
         ),
@@ -41,6 +43,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(p, f"job YAML (e.g. {DEFAULT_CONFIG}); see docs/config.md",
                          "dotted overrides, e.g. train.steps=20 parallel.tp=1 launch.nproc_per_node=2")
     p.add_argument("--dry-run", action="store_true", help="validate, print the torchrun command, start nothing")
+    p.add_argument("--collectives", action="store_true",
+                   help="rehearse one training step of every rank without peers and check their collectives against "
+                        "each other before launch (docs/rehearse.md); by default this runs when cheap (at most 16 "
+                        "ranks of a model up to 50M parameters), not with --dry-run unless asked")
+    p.add_argument("--no-check", action="store_true", help="launch without the check of the collectives")
     p.set_defaults(handler=_cmd_run, parser=p, accepts_overrides=True)
 
 
@@ -53,7 +60,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         from megashard.launch.launcher import run
 
-        return run(args.config, args.overrides, dry_run=args.dry_run)
+        if args.collectives and args.no_check:
+            from megashard.errors import ConfigError
+
+            raise ConfigError("--collectives and --no-check contradict each other: give one")
+        return run(args.config, args.overrides, dry_run=args.dry_run,
+                   collectives=True if args.collectives else (False if args.no_check else None))
     except KeyboardInterrupt:  # before the job started (a Ctrl-C after it is reported by run())
         print("megashard run: interrupted before the job started; nothing was started", file=sys.stderr)
         return 130

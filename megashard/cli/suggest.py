@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from megashard.errors import ConfigError
 
@@ -39,7 +39,18 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=f"hw_{dest}", type=kind, default=None, metavar="X", help=help_)
     g.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
                    help="MoE memory: the busiest ep rank gets at most X times the even share of routed tokens "
-                        "(default 1.1; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
+                        "(default 1.1, top-1 routing 1.3; X = ep·min(top_k, experts/ep)/top_k is the worst case)")
+    g.add_argument("--check-collectives", action="store_true",
+                   help="rehearse every rank of each listed layout and drop those whose collectives would hang "
+                        "(docs/rehearse.md)")
+    g.add_argument("--trace", type=int, default=5, metavar="K",
+                   help="trace the memory of the K best layouts (default 5; 0 = none): one training step of the rank "
+                        "that peaks, on the fake backend, its live bytes counted; a traced figure decides whether a "
+                        "layout fits (with plan --memory: the layout's own)")
+    g.add_argument("--no-trace", action="store_true", help="no tracing (the same as --trace 0)")
+    g.add_argument("--trace-limit", metavar="SIZE", default="1GiB",
+                   help="trace only layouts whose modelled peak is at most SIZE (default 1GiB): a trace allocates the "
+                        "rank's tensors on this machine's CPU and runs its step there")
     g.add_argument("--calibrate", nargs="?", const=4, type=int, default=None, metavar="K",
                    help="time the K best layouts (default 4) on this machine — real `megashard run`s of a few steps, "
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
@@ -60,15 +71,18 @@ def check_not_suggest(args: argparse.Namespace) -> None:
         used.append("--moe-imbalance")
     if getattr(args, "calibrate", None) is not None:
         used.append("--calibrate")
+    if getattr(args, "check_collectives", False):
+        used.append("--check-collectives")
     if getattr(args, "calibration", None) is not None:
         used.append("--calibration")
+    if getattr(args, "trace", 5) != 5 and not getattr(args, "memory", False):
+        used.append("--trace")
     if used:
         raise ConfigError(f"{', '.join(used)} only appl{'ies' if len(used) == 1 else 'y'} with --suggest (the layout advisor); add --suggest or drop them")
 
 
-def _hardware(args: argparse.Namespace) -> Any:
-    from megashard.advisor.cost import Hardware
-
+def _hardware_flags(args: argparse.Namespace) -> dict[str, float]:
+    """The hardware numbers given as flags (checked), by :class:`~megashard.advisor.cost.Hardware` field."""
     kw = {}
     for flag, dest, _, _ in _HW_FLAGS:
         v = getattr(args, f"hw_{dest}")
@@ -78,7 +92,45 @@ def _hardware(args: argparse.Namespace) -> Any:
             rule = "in (0, 1]" if dest == "mfu" else "a positive number"
             raise ConfigError(f"{flag} {v}: must be {rule}")
         kw[dest] = v
-    return Hardware(**kw)
+    return kw
+
+
+def job_machine(job: Any, world_size: Optional[int], ranks_per_node: Optional[int], memory: Optional[int],
+                hw_flags: dict[str, float]) -> tuple[int, int, int, Any, list[str]]:
+    """``(world size, ranks per node, bytes per rank, Hardware, notes)`` of ``--suggest``: what is given wins, the
+    rest comes from the job's config (``launch``, ``parallel.device``, ``train.dtype``) and this machine
+    (:mod:`megashard.advisor.machine`); ``notes`` say where each came from (the report prints them)."""
+    import dataclasses
+
+    from megashard.advisor.machine import describe_machine, job_device
+
+    notes = []
+    launch = job.launch
+    if world_size is None:
+        nnodes = launch.nnodes
+        if isinstance(nnodes, str):  # an elastic range MIN:MAX: plan its largest world
+            from megashard.train.sections import parse_node_range
+
+            nnodes = parse_node_range(nnodes)[1]
+        world_size = int(nnodes) * launch.nproc_per_node
+        notes.append(f"world size {world_size} from the config (launch.nnodes {launch.nnodes} × launch.nproc_per_node "
+                     f"{launch.nproc_per_node}; --world-size N plans another)")
+    if ranks_per_node is None:
+        ranks_per_node = launch.nproc_per_node
+        notes.append(f"{ranks_per_node} ranks per node from launch.nproc_per_node (--ranks-per-node G)")
+    device = job_device(job.parallel)
+    info = describe_machine(device, ranks_per_node, job.train.dtype, measure="tflops" not in hw_flags)
+    hw = dataclasses.replace(info.hardware, **hw_flags) if hw_flags else info.hardware
+    notes.append(f"device {device} (parallel.device={job.parallel.device}); {info.hardware_note}"
+                 + (f"; given: {', '.join(f'{k}={v:g}' for k, v in hw_flags.items())}" if hw_flags else ""))
+    if memory is None:
+        if info.memory_per_rank is None:
+            raise ConfigError(f"--suggest needs --device-memory SIZE here: the job runs on {device} "
+                              f"(parallel.device={job.parallel.device}) and {info.memory_note}; give the memory a rank "
+                              "may use, e.g. 80GiB for an H100")
+        memory = info.memory_per_rank
+        notes.append(f"memory per rank {memory / 2**30:.2f} GiB: {info.memory_note} (--device-memory SIZE)")
+    return world_size, ranks_per_node, memory, hw, notes
 
 
 def cmd_suggest(args: argparse.Namespace) -> int:
@@ -99,19 +151,17 @@ def cmd_suggest(args: argparse.Namespace) -> int:
                         ("--all-groups", args.all_groups), ("--strict", args.strict)):
         if given:
             raise ConfigError(f"{flag} describes one layout's groups; it does not apply with --suggest")
-    if args.device_memory is None:
-        raise ConfigError("--suggest needs --device-memory SIZE, the memory a rank may use (e.g. 80GiB for an H100)")
-    memory = parse_bytes(args.device_memory, "--device-memory")
-    if args.world_size is None:
-        raise ConfigError("--suggest needs --world-size N (the number of ranks to lay out)")
-    check_count("--world-size", args.world_size, 1, 1 << 16, note=WORLD_NOTE)
-    check_int("--ranks-per-node", args.ranks_per_node, 1)
+    memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory is not None else None
+    if args.world_size is not None:
+        check_count("--world-size", args.world_size, 1, 1 << 16, note=WORLD_NOTE)
+    if args.ranks_per_node is not None:
+        check_int("--ranks-per-node", args.ranks_per_node, 1)
     check_int("--top", args.top, 1)
     check_int("--svg-max-ranks", args.svg_max_ranks, 1)
     if args.svg:
         check_output_path("--svg", args.svg)
-    _check_calibration_flags(args)
-    hw = _hardware(args)
+    _check_calibration_counts(args)
+    hw_flags = _hardware_flags(args)
     if args.config is not None and "=" in args.config and not os.path.exists(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None  # `plan --suggest model.hidden=2048`
     from megashard.train.config import JobConfig
@@ -128,6 +178,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         doc = yamlfile.apply_overrides(doc, list(args.overrides))
         job = JobConfig.from_dict(doc, name=os.path.splitext(os.path.basename(args.config))[0])
         job.validate_sections()
+    world, ranks_per_node, memory, hw, notes = job_machine(job, args.world_size, args.ranks_per_node, memory,
+                                                           hw_flags)
+    args.world_size, args.ranks_per_node = world, ranks_per_node
+    _check_calibration_file(args)
     shape = None
     if args.moe_imbalance is not None:
         import dataclasses
@@ -139,8 +193,22 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             raise ConfigError(f"--moe-imbalance {args.moe_imbalance}: must be a number >= 1 (1 = perfectly balanced "
                               "routing)")
         shape = dataclasses.replace(JobShape.from_job(job), moe_imbalance=args.moe_imbalance)
-    result = suggest(job, args.world_size, memory, args.ranks_per_node, hw, shape=shape)
+    result = suggest(job, world, memory, ranks_per_node, hw, shape=shape)
+    result.notes = notes
+    check_count("--trace", args.trace, 0, 64, note=" (layouts to trace)")
+    if args.trace and not args.no_trace and result.ranked:
+        from megashard.advisor.trace import certify
+
+        print(f"megashard plan: tracing the memory of the {min(args.trace, len(result.ranked))} best layout(s): one "
+              "step of the rank that peaks, on the fake backend", file=sys.stderr, flush=True)
+        certify(result, doc, job.name, args.trace,
+                log=lambda line: print(f"megashard plan: {line}", file=sys.stderr, flush=True),
+                limit=parse_bytes(args.trace_limit, "--trace-limit"))
     source = " ".join([args.config or "(defaults)", *args.overrides]).strip()
+    if args.check_collectives:  # the check before launch refuses none of the listed layouts (megashard.rehearse)
+        from megashard.rehearse.suggest_check import drop_refused
+
+        drop_refused(result, job, args.top, log=lambda line: print(f"megashard plan: {line}", file=sys.stderr))
     if args.calibrate is not None or args.calibration is not None:
         _calibrate(args, doc, job, result, source)
     if args.format == "json":
@@ -165,11 +233,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     return 0 if result.ranked else 1
 
 
-def _check_calibration_flags(args: argparse.Namespace) -> None:
-    """The calibration flags, before anything runs: counts in range, one node, a FILE that can be written (or is one
-    of megashard's calibration files)."""
-    import os
-
+def _check_calibration_counts(args: argparse.Namespace) -> None:
+    """The calibration flags' counts, before anything is read."""
     from megashard.advisor.units import check_count
 
     if args.calibrate is None:
@@ -181,6 +246,19 @@ def _check_calibration_flags(args: argparse.Namespace) -> None:
     check_count("--calibrate", args.calibrate, 1, 64, note=" (layouts to time)")
     check_count("--calibrate-steps", args.calibrate_steps, 3, 1000, note=" (the first 2 are warm-up)")
     check_count("--calibrate-rounds", args.calibrate_rounds, 1, 100)
+
+
+def _check_calibration_file(args: argparse.Namespace) -> None:
+    """With the world known: one node to calibrate on, a FILE that can be written (or is one of megashard's
+    calibration files)."""
+    import os
+
+    if args.calibrate is None:
+        if args.calibration is not None:  # ranks by a file: it must be one of ours, read before anything runs
+            from megashard.advisor.calibrate import _read
+
+            _read(args.calibration, "--calibration")
+        return
     if args.world_size > args.ranks_per_node:
         raise ConfigError(f"--calibrate times the layouts on this machine, as one node: --world-size {args.world_size} "
                           f"is more than --ranks-per-node {args.ranks_per_node}; calibrate a world of one node, or "
@@ -198,15 +276,16 @@ def _check_calibration_flags(args: argparse.Namespace) -> None:
 
 def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source: str) -> None:
     """Time the top layouts (``--calibrate``) or read their times (``--calibration FILE``) and rank by them."""
-    from megashard.advisor.calibrate import apply_timings, load_calibration, save_calibration, time_layouts
+    from megashard.advisor.calibrate import (apply_timings, load_calibration, pick_layouts, save_calibration,
+                                             time_layouts)
     from megashard.advisor.shape import JobShape
 
     shape = JobShape.from_job(job)
     if args.calibrate is None:
         timings = load_calibration(args.calibration, shape, args.world_size)
     else:
-        top = result.ranked[:args.calibrate]
-        print(f"megashard plan: calibrating: {len(top)} layout(s) × {args.calibrate_rounds} round(s) of "
+        top = pick_layouts(result.ranked, args.calibrate)
+        print(f"megashard plan: calibrating: {len(top)} layout(s) that differ × {args.calibrate_rounds} round(s) of "
               f"{args.calibrate_steps} steps on this machine", file=sys.stderr, flush=True)
         timings = time_layouts(doc, job.name, top, args.world_size, steps=args.calibrate_steps,
                                rounds=args.calibrate_rounds,
@@ -216,3 +295,45 @@ def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source
                              args.calibrate_rounds, job.parallel.device)
             print(f"megashard plan: wrote {args.calibration} (timings of {len(timings)} layout(s))", file=sys.stderr)
     apply_timings(result, timings)
+
+
+def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = True,
+                  limit: int = 1 << 30) -> tuple[dict, list[str]]:
+    """``megashard plan CONFIG --memory``: the memory per rank of the config's own layout — modelled, traced (every
+    pipeline rank's first rank, at most 4; :mod:`megashard.advisor.trace`) and host — as JSON-ready data and lines."""
+    from megashard.advisor.host import estimate_host
+    from megashard.advisor.machine import job_device
+    from megashard.advisor.memory import estimate_memory
+    from megashard.advisor.report import memory_lines
+    from megashard.advisor.search import Candidate
+    from megashard.advisor.shape import JobShape
+
+    shape = JobShape.from_job(job)
+    m = job.model
+    c = Candidate({}, m.recompute, job.microbatches(sizes.pp, sizes.dp), job.train.pipeline_schedule)
+    c.memory = estimate_memory(shape, sizes, m.recompute, m.distribute_saved_activations and m.recompute)
+    device = job_device(job.parallel)
+    lines = []
+    if refusal:
+        lines.append(f"memory per rank, traced: not traced (megashard run would refuse this job: {refusal})")
+    elif trace:
+        from megashard.advisor.trace import trace_budget, trace_memory
+
+        budget = min(limit, trace_budget())
+        if c.memory.peak > budget:
+            lines.append(f"memory per rank, traced: not traced (modelled {c.memory.peak / 2**30:.2f} GiB: more than "
+                         f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
+        else:
+            pp_ranks = sorted({c.memory.rank, 0, sizes.pp - 1}) if sizes.pp > 4 else list(range(sizes.pp))
+            peaks = trace_memory(job, sizes.world_size, pp_ranks)
+            good = [p for p in peaks if p.peak is not None]
+            c.traced = max(good, key=lambda p: p.peak) if good else None
+            c.trace_error = None if good else (peaks[0].error if peaks else "no rank traced")
+    c.host = estimate_host(shape, device, c.traced.peak if c.traced is not None else c.memory.peak)
+    unit = ("MiB", 1 << 20) if c.memory.peak < (1 << 30) // 10 else ("GiB", 1 << 30)
+    lines = [""] + memory_lines(c, unit) + lines
+    data = {"modelled_bytes": c.memory.peak, "phase": c.memory.phase, "pp_rank": c.memory.rank,
+            "parts": c.memory.parts, "traced_bytes": c.traced.peak if c.traced is not None else None,
+            "traced_rank": c.traced.rank if c.traced is not None else None, "trace_error": c.trace_error,
+            "host_bytes": c.host.peak, "host_parts": c.host.parts, "device": device}
+    return data, lines

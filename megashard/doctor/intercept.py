@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["COLLECTIVES", "POINT_TO_POINT", "install", "uninstall", "installed"]
+__all__ = ["COLLECTIVES", "POINT_TO_POINT", "CallSpec", "install", "install_recorder", "uninstall", "installed"]
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
@@ -45,6 +45,7 @@ COLLECTIVES = (
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 _ACTIVE: list = [None]  # the installed Doctor
+_RECORDER: list = [None]  # the installed recorder (megashard.rehearse): sees every call first, doctor or not
 _ORIGINALS: dict[str, Callable] = {}
 _FUNCTIONAL: dict[str, Callable] = {}  # torch.distributed._functional_collectives' own functions, while wrapped
 _UNDO: list = []
@@ -116,6 +117,35 @@ def _p2p_parts(name: str, args: tuple, kwargs: dict, track: Any, idx: dict) -> t
     return ((direction, int(peer)),)
 
 
+class CallSpec:
+    """What a wrapper knows about the torch function it wraps: its name, the function, and where its arguments sit
+    (``idx``: parameter name -> position, -1 when absent). Handed to a recorder with each call."""
+
+    __slots__ = ("name", "fn", "idx", "tensor_param", "p2p", "always_async", "functional")
+
+    def __init__(self, name: str, fn: Callable, idx: dict, tensor_param: Any, p2p: bool, always_async: bool,
+                 functional: bool = False) -> None:
+        self.name, self.fn, self.idx, self.tensor_param = name, fn, idx, tensor_param
+        self.p2p, self.always_async, self.functional = p2p, always_async, functional
+
+    def arg(self, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+        """The argument ``name`` of a call (``"group"``, ``"async"`` for ``async_op``, ``"peer"``, ``"tensor"``)."""
+        key = {"async": "async_op", "tensor": self.tensor_param}.get(name, name)
+        if name == "peer":
+            key = "dst" if "send" in self.name else "src"
+        return _arg(args, kwargs, key, self.idx.get(name, -1), default)
+
+
+def _recorded(recorder: Any, spec: CallSpec, args: tuple, kwargs: dict) -> Any:
+    """A call while a recorder is installed: the recorder records it and runs (or stands in for) torch's function;
+    calls made inside it are torch's own (not recorded again)."""
+    _TLS.depth = 1
+    try:
+        return recorder.call(spec, args, kwargs)
+    finally:
+        _TLS.depth = 0
+
+
 def _wrap(name: str, fn: Callable) -> Callable:
     p2p = name in POINT_TO_POINT
     idx = {"group": _param_index(fn, "group"), "async": _param_index(fn, "async_op"),
@@ -123,9 +153,13 @@ def _wrap(name: str, fn: Callable) -> Callable:
     tensor_param = next((p for p in _TENSOR_PARAMS if _param_index(fn, p) >= 0), None)
     idx["tensor"] = _param_index(fn, tensor_param) if tensor_param else -1
     always_async = name in ("isend", "irecv", "batch_isend_irecv")
+    spec = CallSpec(name, fn, idx, tensor_param, p2p, always_async)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        recorder = _RECORDER[0]
+        if recorder is not None and not getattr(_TLS, "depth", 0):
+            return _recorded(recorder, spec, args, kwargs)
         doctor = _ACTIVE[0]
         if doctor is None or getattr(_TLS, "depth", 0):
             return fn(*args, **kwargs)
@@ -138,6 +172,11 @@ def _wrap(name: str, fn: Callable) -> Callable:
         ledger = doctor.ledger
         track = ledger.tracks.get(0 if group is None else id(group))
         if track is None or (group is not None and track.pg is not group):
+            if group is not None:  # a group of another layout's grid? (named once: megashard.doctor.foreign)
+                from megashard.doctor.foreign import note_foreign
+
+                note_foreign(doctor, group, name, _sig(_arg(args, kwargs, tensor_param, idx["tensor"]))
+                             if tensor_param else "")
             return fn(*args, **kwargs)
         if ops is not None:
             parts = tuple(("send" if "send" in getattr(o.op, "__name__", "") else "recv", int(o.peer)) for o in ops)
@@ -217,8 +256,14 @@ def _wrap_functional(name: str, fn: Callable) -> Callable:
         tidx = _param_index(fn, "inputs")
     tag_idx = _param_index(fn, "tag")
 
+    spec = CallSpec(name, fn, {"group": gidx, "tensor": tidx, "tag": tag_idx, "async": -1, "peer": -1},
+                    "self" if _param_index(fn, "self") >= 0 else "inputs", False, False, functional=True)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        recorder = _RECORDER[0]
+        if recorder is not None and not getattr(_TLS, "depth", 0):
+            return _recorded(recorder, spec, args, kwargs)
         doctor = _ACTIVE[0]
         if doctor is None or getattr(_TLS, "depth", 0):
             return fn(*args, **kwargs)
@@ -317,6 +362,19 @@ def install(doctor: Any) -> None:
     if _ACTIVE[0] is not None and _ACTIVE[0] is not doctor:
         raise RuntimeError("another hang doctor is installed in this process: disable it first")
     _ACTIVE[0] = doctor
+    _wrap_all()
+
+
+def install_recorder(recorder: Any) -> None:
+    """Wrap torch.distributed's collectives (as for the doctor) and hand every call to ``recorder.call(spec, args,
+    kwargs)`` first (:mod:`megashard.rehearse`: a rank rehearsed without peers records its calls). ``None`` removes
+    the recorder; the wrappers stay until :func:`uninstall`."""
+    _RECORDER[0] = recorder
+    if recorder is not None:
+        _wrap_all()
+
+
+def _wrap_all() -> None:
     if _ORIGINALS:
         return
     for name in (*COLLECTIVES, *POINT_TO_POINT):
@@ -355,7 +413,11 @@ def _install_functional() -> None:
 
 def uninstall() -> None:
     """Put torch.distributed's own functions back."""
+    from megashard.doctor.foreign import forget
+
     _ACTIVE[0] = None
+    _RECORDER[0] = None
+    forget()
     for name, fn in _ORIGINALS.items():
         if name == "Work.wait":
             dist.Work.wait = fn

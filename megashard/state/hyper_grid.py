@@ -112,6 +112,9 @@ class HyperCommGrid:
         self._pgs: dict[Union[str, tuple[str, tuple[str, ...]]], Optional[dist.ProcessGroup]] = {}
         #: communicators this rank created through this grid (0 when all were pooled already)
         self.groups_created = 0
+        from megashard.state.identity import register_grid
+
+        register_grid(self)  # its groups know their grid (megashard.state.identity)
 
     # ------------------------------------------------------------------ views
     def register_view(self, name: str, shape: list[int], dim_names: list[str],

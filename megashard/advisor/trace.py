@@ -1,0 +1,211 @@
+"""Certify a layout's memory: one training step of the rank that peaks, run without peers, its live bytes counted.
+
+    peaks = trace_memory(job, world_size=64, pp_ranks=[0])      # [TracedPeak(rank=0, pp_rank=0, peak=..., ...)]
+
+The fast model (:mod:`megashard.advisor.memory`) ranks hundreds of layouts; the ones a user will run are then
+*traced*: the rank runs the job's own build and ``TrainRun.step`` on the ``fake`` backend
+(:mod:`megashard.rehearse`: no peer, no device, the rank's real CPU tensors in the job's dtypes), and
+:class:`~megashard.advisor.live_bytes.LiveBytes` counts the bytes of its live tensor storages exactly as the tests and
+``benchmarks/advisor.py`` measure a real gloo run: a warm-up step, then the peak of the second step (the steady
+state, the optimizer's state present), plus the synthetic data the job holds (``num_sequences · (seq + 1) · 8``;
+the rehearsal makes a smaller set of its own); on a CPU job, each reduce-scatter also holds a copy of its input
+while it runs, as gloo does. Where the two differ: with experts over ep > 1 ranks the fake backend delivers no
+peer's tokens, so the pairs a rank's experts receive are missing (``TracedPeak.partial``: the modelled figure, with
+its routing-imbalance bound, decides there), and a GPU job is traced with the CPU kernels (what CUDA kernels save can
+differ; docs/advisor.md).
+
+The rehearsal allocates what the rank allocates: a layout is traced only when its modelled peak fits this machine
+(:func:`trace_budget`); the report says which were traced and how long it took.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class TracedPeak:
+    """The traced peak of one rank."""
+
+    rank: int
+    pp_rank: int
+    peak: Optional[int]
+    """Bytes (None when the rehearsal failed)."""
+    op: str = ""
+    """The op after which the peak was reached."""
+    seconds: float = 0.0
+    error: Optional[str] = None
+    partial: bool = False
+    """MoE with ep > 1: the fake backend delivers no peer's tokens, so the pairs this rank's experts receive are
+    missing; the modelled figure (with the routing-imbalance bound) decides for such a layout."""
+
+
+def trace_budget() -> int:
+    """Bytes a trace may allocate here: half of this machine's available memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    from megashard.advisor.machine import host_ram
+
+    return host_ram() // 4
+
+
+def pp_rank_ranks(sizes: Any, pp_ranks: list[int]) -> list[int]:
+    """The global rank of each pipeline rank in ``pp_ranks`` whose other coordinates are all 0 (FSDP's largest shard,
+    rank 0 of every group)."""
+    from megashard.layout import RankLayout
+
+    layout = RankLayout(sizes)
+    out = []
+    for r in pp_ranks:
+        for g in range(sizes.world_size):
+            if layout.coords(g).get("pp", 0) == r and all(v == 0 for k, v in layout.coords(g).items() if k != "pp"):
+                out.append(g)
+                break
+    return out
+
+
+def trace_memory(job: Any, world_size: int, pp_ranks: Optional[list[int]] = None,
+                 jobs: Optional[int] = None) -> list[TracedPeak]:
+    """The traced peak of the first rank of each pipeline rank in ``pp_ranks`` (default: every pipeline rank) of
+    ``job`` (a :class:`~megashard.train.config.JobConfig` with the layout's overrides) in a world of ``world_size``
+    ranks. One process per rank, forked (``jobs`` at a time). The caller must not have torch.distributed
+    initialised."""
+    from megashard.rehearse import RankHooks, rehearse_job
+
+    sizes = job.validate(world_size)
+    pp_ranks = list(range(sizes.pp)) if pp_ranks is None else pp_ranks
+    ranks = pp_rank_ranks(sizes, pp_ranks)
+    data = job.data.num_sequences * (job.model.seq_len + 1) * 8 if job.data.source == "synthetic" else 0
+    from megashard.advisor.machine import job_device
+
+    gloo = job_device(job.parallel) == "cpu"
+    hooks = RankHooks(after_build=lambda ctx: _after_build(ctx, gloo), around_step=_around_step, result=_result)
+    t0 = time.perf_counter()
+    traces = rehearse_job(job, world_size, ranks=ranks, steps=1, warmup=1, hooks=hooks, jobs=jobs)
+    seconds = time.perf_counter() - t0
+    out = []
+    by_rank = dict(traces)
+    for r, g in zip(pp_ranks, ranks):
+        t = by_rank.get(g)
+        if t is None or t.status != "ok" or t.result is None:
+            why = (t.error or t.status) if t is not None else "not run"
+            out.append(TracedPeak(g, r, None, seconds=seconds, error=str(why).strip().splitlines()[-1][:200]))
+            continue
+        peak, op = t.result
+        partial = job.model.num_experts > 0 and sizes.ep > 1
+        out.append(TracedPeak(g, r, peak + data, op, t.seconds or seconds, partial=partial))
+    return out
+
+
+class _Live:
+    """Entered at the warm-up step, left after the measured one: one LiveBytes over both steps (its peak is taken
+    after the first optimizer step)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        if self.ctx.step == 0:
+            self.ctx.extra["live"].__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx.step == 1 or exc[0] is not None:
+            self.ctx.extra["live"].__exit__(*exc)
+
+
+def _after_build(ctx: Any, gloo: bool) -> None:
+    from megashard.advisor.live_bytes import LiveBytes
+
+    if gloo:
+        _gloo_reduce_scatter_copies()
+    live = LiveBytes(warmup_steps=1)
+    live.adopt(list(ctx.model.parameters()) + list(ctx.model.buffers()))
+    ctx.extra["live"] = live
+
+
+def _gloo_reduce_scatter_copies() -> None:
+    """In the rank's (forked) process: ``reduce_scatter_tensor`` allocates a copy of its input while it runs, as gloo
+    does on a CPU job (measured: FSDP2's reduce-scatter on gloo holds one more input-sized buffer during the call;
+    the fake backend, which moves nothing, does not)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def wrap(orig: Any) -> Any:
+        def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+            inp = kwargs.get("input", args[1] if len(args) > 1 else None)
+            copy = torch.empty_like(inp) if isinstance(inp, torch.Tensor) else None
+            if copy is not None:
+                copy.copy_(inp)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                del copy
+
+        return reduce_scatter
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls the latter from torch 2.13 on
+        orig = getattr(c10d, name, None) or getattr(dist, name, None)
+        if orig is not None:
+            new = wrap(orig)
+            for mod in (c10d, dist):
+                if hasattr(mod, name):
+                    setattr(mod, name, new)
+
+
+def _around_step(ctx: Any) -> Any:
+    return _Live(ctx)
+
+
+def _result(ctx: Any) -> tuple[int, str]:
+    live = ctx.extra["live"]
+    return live.peak, live.peak_op
+
+
+def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit: int = 1 << 30) -> None:
+    """Trace the best ``top`` layouts of ``result`` (a :class:`~megashard.advisor.search.Suggestion` of the job
+    ``doc``, a YAML mapping with the user's overrides applied): each gets ``traced`` (the largest traced rank) and is
+    moved to ``too_big`` when that exceeds the device memory — the traced figure decides "fits" — and the next
+    layout is traced in its place. Layouts whose modelled peak exceeds ``limit`` bytes or :func:`trace_budget` are
+    not traced (noted: the trace allocates them on this machine's CPU, and takes a CPU step's time).
+    Sets ``result.traced_count``, ``result.trace_seconds`` and ``result.trace_notes``."""
+    from megashard.config import yamlfile
+    from megashard.train.config import JobConfig
+
+    budget = min(limit, trace_budget())
+    t0 = time.perf_counter()
+    done: list[Any] = []
+    i = 0
+    while len(done) < top and i < len(result.ranked):
+        c = result.ranked[i]
+        m = c.memory
+        if m.peak > budget:
+            result.trace_notes.append(f"{c.label()}: not traced (modelled {m.peak / 2**30:.2f} GiB: more than "
+                                      f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
+            i += 1
+            continue
+        job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)
+        pp = c.sizes["pp"]
+        pp_ranks = sorted({m.rank, 0, pp - 1})
+        peaks = trace_memory(job, result.world_size, pp_ranks)
+        good = [p for p in peaks if p.peak is not None]
+        c.traced = max(good, key=lambda p: p.peak) if good else None
+        c.trace_error = None if good else (peaks[0].error if peaks else "no rank traced")
+        if log is not None:
+            what = f"{c.traced.peak / 2**20:.2f} MiB (rank {c.traced.rank})" if c.traced else f"failed: {c.trace_error}"
+            log(f"traced {c.label()}: {what}")
+        if c.traced is not None and c.peak > result.device_memory:
+            result.ranked.pop(i)
+            result.too_big.append(c)
+            result.too_big.sort(key=lambda x: x.memory.peak)
+            continue
+        done.append(c)
+        i += 1
+    result.traced_count = sum(c.traced is not None for c in result.ranked + result.too_big)
+    result.trace_seconds = time.perf_counter() - t0
