@@ -270,6 +270,6 @@ def test_host_memory_is_linear_in_vocab_times_branching():
     s = JobShape(vocab=131072, seq=64, synthetic_sequences=4096)
     h = estimate_host(s, "cuda", 10 << 30)
     assert h.parts["data set-up"] == 131072 * 4 * 16 + 4096 * 4 * 16 and h.parts["tensors"] == 0
-    assert h.peak == RUNTIME["cuda"] + 4096 * 65 * 8 + h.parts["data set-up"]
-    cpu = estimate_host(JobShape(synthetic_sequences=4096), "cpu", 6 << 20)
-    assert cpu.parts["tensors"] == 6 << 20 and cpu.peak == RUNTIME["cpu"] + 4096 * 65 * 8 + (6 << 20)
+    assert h.peak == RUNTIME["cuda"] + 4096 * 65 * 4 + h.parts["data set-up"]  # int32 rows past 32,768 ids
+    cpu = estimate_host(JobShape(synthetic_sequences=4096), "cpu", 6 << 20)  # vocab 1024: int16 rows
+    assert cpu.parts["tensors"] == 6 << 20 and cpu.peak == RUNTIME["cpu"] + 4096 * 65 * 2 + (6 << 20)

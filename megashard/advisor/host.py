@@ -12,7 +12,8 @@ The parts:
   modules imported on first use (FSDP, DTensor, the optimizer's foreach kernels), the allocator's arenas and the
   caches that fill in the first ~100 steps. It does not grow with the model: a constant measured on this machine's
   build (:data:`RUNTIME`; docs/advisor.md, "Host memory");
-- **data**: the synthetic rows every rank holds, ``num_sequences · (seq + 1) · 8`` bytes (memory-mapped corpora:
+- **data**: the synthetic rows every rank holds, ``num_sequences · (seq + 1) · b`` bytes, ``b`` the bytes of
+  :func:`token_bytes` (2 up to a vocabulary of 32,768; memory-mapped corpora:
   only the pages a rank reads, not counted);
 - **data set-up** (synthetic, while the rows are made; freed after): the successor table and its probabilities,
   ``vocab · branching · 16`` bytes, and one column's sampling scratch, ``num_sequences · branching · 16`` — linear in
@@ -37,6 +38,12 @@ MIB = 1 << 20
 RUNTIME = {"cpu": 184 * MIB, "cuda": 1536 * MIB}
 
 
+def token_bytes(vocab: int) -> int:
+    """Bytes of one synthetic token as the job holds its rows (megashard.train.data.synthetic_token_dtype: int16 up
+    to 32,768 ids, int32 up to 2**31, else int64)."""
+    return 2 if vocab <= 1 << 15 else 4 if vocab <= 1 << 31 else 8
+
+
 @dataclass
 class HostEstimate:
     """Peak RSS growth of one rank, bytes, and what it is made of."""
@@ -52,7 +59,7 @@ def estimate_host(s: Any, device: str, device_peak: int) -> HostEstimate:
     ``cuda``), given the rank's device peak in bytes (counted in host memory on a CPU)."""
     runtime = RUNTIME.get(device, RUNTIME["cuda"])
     n = s.synthetic_sequences
-    data = n * (s.seq + 1) * 8
+    data = n * (s.seq + 1) * token_bytes(s.vocab)
     setup = (s.vocab * s.branching * 16 + n * s.branching * 16) if n else 0
     tensors = device_peak if device == "cpu" else 0
     peak = runtime + data + max(setup, tensors)

@@ -42,6 +42,7 @@ from megashard.advisor.activations import (  # noqa: F401 - re-exported (their o
     moe_pair_bytes,
     moe_pairs,
 )
+from megashard.advisor.host import token_bytes
 from megashard.advisor.schedule import alive_peak, rank_actions
 from megashard.advisor.shape import JobShape, block_params, numel, root_params, sharded_numel
 
@@ -151,7 +152,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     params = shard * pb
     grads = shard * pb
     optim = 2 * shard * pb + n_tensors * F32  # exp_avg, exp_avg_sq, and a step counter per tensor
-    data = s.synthetic_sequences * (s.seq + 1) * 8
+    data = s.synthetic_sequences * (s.seq + 1) * token_bytes(s.vocab)  # rows in int16/int32 (train/data.py)
     ce = e  # the dtype FSDP gathers parameters in (bf16 under mixed precision, else the master dtype)
     gb = max(ce, 4 if ce == 2 else ce)  # a gradient element's bytes (reduced in fp32 under bf16)
     root_u = numel(root) * ce
