@@ -156,14 +156,12 @@ def save_calibration(path: str, timings: list[Timing], shape: Any, world_size: i
 
 
 def _read(path: str, option: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{option} {path}: no such file (write one with --calibrate --calibration {path})") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{option} {path}: not a calibration file megashard wrote ({type(e).__name__}); "
-                          "megashard does not overwrite or read it") from None
+    from megashard.readers import SMALL, read_json
+
+    if not os.path.lexists(path):
+        raise ConfigError(f"{option} {path}: no such file (write one with --calibrate --calibration {path})")
+    # a FIFO, device or huge file is named, never read (it would block or fill memory)
+    doc = read_json(path, option, limit=SMALL, hint="give a calibration file megashard wrote (--calibrate)")
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise ConfigError(f"{option} {path}: not a calibration file megashard wrote (no kind: {KIND}); megashard does "
                           "not overwrite or read it")
@@ -177,7 +175,11 @@ def load_calibration(path: str, shape: Any, world_size: int) -> list[Timing]:
     """The timings of a calibration file measured for this job (``shape``) and ``world_size``; ConfigError naming
     what differs otherwise."""
     doc = _read(path, "--calibration")
-    if doc.get("world_size") != world_size:
+    got_world = doc.get("world_size")
+    if isinstance(got_world, bool) or not isinstance(got_world, int) or got_world < 1:
+        raise ConfigError(f"--calibration {path}: its world_size is {got_world!r} ({type(got_world).__name__}), not a "
+                          "positive integer: the file is damaged or not megashard's; calibrate again (--calibrate)")
+    if got_world != world_size:
         raise ConfigError(f"--calibration {path}: measured for {doc.get('world_size')} ranks, not --world-size "
                           f"{world_size}; calibrate this world (--calibrate)")
     want, got = fingerprint(shape), doc.get("shape") or {}

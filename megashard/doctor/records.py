@@ -13,13 +13,14 @@ named (file, key, expected type) and skipped.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from megashard.doctor.diagnose import diagnose, ranks_text
 from megashard.doctor.ledger import describe_call
+from megashard.errors import ConfigError
+from megashard.readers import SMALL, read_json
 
 __all__ = ["Attempt", "RunRecords", "attempt_dirs", "check_record", "read_attempts", "read_run_dir", "summarize",
            "format_table"]
@@ -164,14 +165,10 @@ def read_run_dir(path: str) -> tuple[dict[int, dict], list[tuple[str, str]]]:
         if not (name.startswith("rank_") and name.endswith(".json")):
             continue
         path_ = os.path.join(d, name)
-        try:
-            with open(path_, encoding="utf-8") as f:
-                rec = json.load(f)
-        except OSError as e:
-            bad.append((path_, f"cannot be read: {e.strerror or e}"))
-            continue
-        except ValueError as e:
-            bad.append((path_, f"is not valid JSON ({e})"))
+        try:  # a FIFO, device or huge file in its place is named, never opened for reading (it would block)
+            rec = read_json(path_, "record", limit=SMALL)
+        except ConfigError as e:
+            bad.append((path_, str(e).split(f"{path_}: ", 1)[-1]))
             continue
         problem = check_record(rec)
         if problem is None and name[5:-5].isdigit() and int(name[5:-5]) != rec["rank"]:
