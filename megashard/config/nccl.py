@@ -70,6 +70,9 @@ def _check_entry(where: str, name: str, entry: Any) -> dict[str, Any]:
             if not isinstance(value, str) or value.lower() not in NET_NAMES:
                 raise ConfigError(f"{where}: {name}.net_name={value!r} is not supported; valid: IB, socket")
         elif key == "is_high_priority_stream":
+            from megashard.config.keys import yaml_bool
+
+            value = yaml_bool(value)  # YAML 1.1's yes/no/on/off
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}: {name}.is_high_priority_stream={value!r} must be true or false")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -147,8 +147,13 @@ class ParallelConfig:
         """Build from a mapping, rejecting unknown keys with a "did you mean"."""
         from megashard.config.keys import reject_unknown_keys
 
+        from megashard.config.keys import yaml_bool
+
         data = dict(data or {})
         reject_unknown_keys(cls, data, where)
+        for name in ("create_gloo_process_groups", "hybrid_context_parallel"):  # YAML 1.1's yes/no/on/off
+            if name in data:
+                data[name] = yaml_bool(data[name])
         return cls(**data)  # validated by __post_init__
 
     @classmethod
