@@ -82,6 +82,12 @@ def time_layouts(doc: dict[str, Any], name: str, candidates: list[Any], world_si
     """
     import yaml
 
+    from megashard.advisor.units import check_count
+
+    check_count("world_size", world_size, 1)
+    check_count("steps", steps, 1)
+    check_count("warmup", warmup, 0)
+    check_count("rounds", rounds, 1)
     if steps <= warmup:
         raise ConfigError(f"--calibrate-steps {steps}: must be more than the {warmup} warm-up steps it drops")
     timings = [Timing(c.label(), c.overrides()) for c in candidates]
@@ -174,7 +180,12 @@ def _read(path: str, option: str) -> dict[str, Any]:
 def load_calibration(path: str, shape: Any, world_size: int) -> list[Timing]:
     """The timings of a calibration file measured for this job (``shape``) and ``world_size``; ConfigError naming
     what differs otherwise."""
-    doc = _read(path, "--calibration")
+    from megashard.advisor.units import check_count
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load_calibration: path={path!r:.60} must be a file path (str)")
+    check_count("world_size", world_size, 1)
+    doc = _read(os.fspath(path), "--calibration")
     got_world = doc.get("world_size")
     if isinstance(got_world, bool) or not isinstance(got_world, int) or got_world < 1:
         raise ConfigError(f"--calibration {path}: its world_size is {got_world!r} ({type(got_world).__name__}), not a "

@@ -81,7 +81,7 @@ def load_job(path: str, overrides: Iterable[str] = (), world_size: int | None = 
         job.validate_sections()
         config = job.parallel
     else:  # a bare parallel config
-        config = ParallelConfig.from_dict(parallel_section(doc, path))
+        config = ParallelConfig.from_dict(parallel_section(doc, path), yaml_words=True)
     what = "world size"
     if world_size is None:
         world_size = launch_world_size(doc, path)

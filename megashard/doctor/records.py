@@ -140,10 +140,18 @@ def check_record(rec: Any) -> Optional[str]:
     return None
 
 
+def _check_path(function: str, path: object) -> str:
+    """``path`` as a str, or ConfigError naming ``function`` (a number or None is not a directory)."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{function}: path={path!r:.60} (type {type(path).__name__}) must be a directory path (str)")
+    return os.fspath(path)
+
+
 def attempt_dirs(path: str) -> list[tuple[str, str]]:
     """``(label, directory)`` of every world that may have left records under run directory ``path``: ``doctor/``
     (the first world of a job) and ``doctor/restart_<k>/`` (world k: after a torchrun restart, or an elastic job's
     new world), in order."""
+    path = _check_path("attempt_dirs", path)
     d = os.path.join(path, "doctor")
     if not os.path.isdir(d):
         return [("records", path)] if os.path.isdir(path) else []
@@ -156,6 +164,7 @@ def attempt_dirs(path: str) -> list[tuple[str, str]]:
 def read_run_dir(path: str) -> tuple[dict[int, dict], list[tuple[str, str]]]:
     """Every usable record in ``path`` (``path/doctor/`` if there is one): rank -> record, of any run; and
     ``(file, problem)`` of every file that is damaged or not a doctor record."""
+    path = _check_path("read_run_dir", path)
     d = os.path.join(path, "doctor")
     if not os.path.isdir(d):
         d = path
@@ -219,6 +228,7 @@ def read_attempts(run_dir: str) -> RunRecords:
     agreed on a directory, e.g. by each node's own restart count, are grouped right too); the job is the newest
     record's, and every world of it is kept, each diagnosed alone: an earlier world's hang is never merged into the
     current world's table. Without a job id (a script started without a launcher) only the newest world is kept."""
+    run_dir = _check_path("read_attempts", run_dir)
     out = RunRecords()
     runs: dict[str, dict[int, dict]] = {}
     where: dict[str, tuple[str, str]] = {}
@@ -251,6 +261,9 @@ def summarize(records: Mapping[int, Mapping]) -> dict[str, Any]:
     """The hangs the ranks found, merged across ranks: one row per (group, operation), with every rank that waited
     and every rank named as not reaching it (first description wins), plus ranks that left no record (a record
     written at start and never again counts as none: the process was killed)."""
+    if not isinstance(records, Mapping):
+        raise ConfigError(f"summarize: records={records!r:.60} must be a mapping rank -> record (what read_run_dir "
+                          "returns first)")
     from megashard.doctor.waitfor import find_cycle
 
     live = {r: rec for r, rec in records.items() if rec.get("reason") != "start"}
@@ -322,6 +335,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
     """The table ``megashard doctor`` prints: group, operation, step, waiting ranks, and the ranks that never reached
     it with what they did instead; mismatched calls and deadlocks on lines of their own below it."""
     from megashard.doctor.diagnose import deadlock_text, mismatch_text
+
+    if not isinstance(summary, Mapping) or not isinstance(summary.get("rows"), list):
+        raise ConfigError(f"format_table: summary={summary!r:.60} must be what summarize() returns")
 
     rows = summary["rows"]
     if not rows:

@@ -68,7 +68,7 @@ class JobConfig:
         par = doc.get("parallel") or {}
         if not isinstance(par, Mapping):
             raise ConfigError(f"section 'parallel' must be a mapping of keys, got {type(par).__name__}")
-        kwargs: dict[str, Any] = {"parallel": ParallelConfig.from_dict(par), "name": name}
+        kwargs: dict[str, Any] = {"parallel": ParallelConfig.from_dict(par, yaml_words=True), "name": name}
         for sec, sec_cls in CONFIG_SECTIONS:
             kwargs[sec] = section_from_dict(sec_cls, doc.get(sec), sec)
         return cls(**kwargs)
