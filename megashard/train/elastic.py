@@ -120,10 +120,10 @@ def refusals_text(options: list[WorldOption], limit: int = 3) -> str:
     ordered = sorted(groups.values(), key=lambda g: g[-1] is not options[-1])  # the largest world's reason first
     parts = []
     for g in ordered[:limit]:
-        sizes = [str(o.world_size) for o in g]
-        where = (f"world size {sizes[0]}" if len(sizes) == 1 else
-                 "world sizes " + ", ".join(sizes[:6]) + (f" and {len(sizes) - 6} more" if len(sizes) > 6 else ""))
-        parts.append(f"at {where}: {g[-1].refusal}")
+        others = [str(o.world_size) for o in g[:-1]]
+        alike = ("" if not others else f" (alike at world size{'s' if len(others) > 1 else ''} "
+                 + ", ".join(others[:6]) + (f" and {len(others) - 6:,} more" if len(others) > 6 else "") + ")")
+        parts.append(f"at world size {g[-1].world_size}: {g[-1].refusal}{alike}")
     more = len(ordered) - limit
     return "; ".join(parts) + (f"; and {more} other reason{'s' if more > 1 else ''} (megashard plan lists them)"
                                if more > 0 else "")
