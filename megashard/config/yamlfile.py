@@ -208,11 +208,10 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is a directory; give {hint}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} is not a regular file (a device, pipe or socket); give a YAML file")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    from megashard.readers import CONFIG, read_bytes
+
+    # opened without blocking and checked again on the open file (a FIFO swapped in), at most CONFIG bytes read
+    raw = read_bytes(path, "config file", limit=CONFIG, hint="give a YAML file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

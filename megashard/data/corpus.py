@@ -48,11 +48,10 @@ def read_meta(path: str) -> Optional[dict[str, Any]]:
     meta_path = dataset_prefix(path) + META_SUFFIX
     if not os.path.isfile(meta_path):
         return None
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{meta_path}: unreadable corpus metadata: {e}") from None
+    from megashard.readers import SMALL, read_json
+
+    meta = read_json(meta_path, "corpus metadata", limit=SMALL, error=DataError,
+                     hint="delete it and prepare the corpus again (megashard data prepare)")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = f"format={meta.get('format')!r}" if isinstance(meta, dict) else f"a JSON {type(meta).__name__}"
         raise DataError(f"{meta_path}: not megashard corpus metadata (needs a JSON object with format={FORMAT!r}, "

@@ -44,6 +44,13 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     """Every record of a metrics file ([] if it does not exist; a torn last line is skipped)."""
     if not os.path.isfile(path):
         return []
+    from megashard.errors import MegashardError
+    from megashard.readers import check_regular
+
+    try:
+        check_regular(path, "metrics file")  # not a FIFO (it would block): isfile above follows no race
+    except MegashardError:
+        return []
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
