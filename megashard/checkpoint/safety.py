@@ -323,7 +323,13 @@ def resolve_checkpoint(path: str) -> str:
         detail.append(f"step directories without a {MARKER_FILE} marker (not finished): {incomplete}")
     if in_progress:
         detail.append(f"unfinished saves (killed or still running): {in_progress}")
-    if os.path.exists(os.path.join(path, ".metadata")):
+    marker = os.path.join(path, MARKER_FILE)
+    if os.path.lexists(marker) and not os.path.isfile(marker):  # a FIFO or directory in its place: damaged
+        from megashard.readers import kind_of
+
+        what = kind_of(os.lstat(marker).st_mode) if not os.path.islink(marker) else "a broken or special link"
+        detail.append(f"{MARKER_FILE} that is {what}, not a regular file (the checkpoint is damaged)")
+    elif os.path.exists(os.path.join(path, ".metadata")):
         detail.append(f"a DCP checkpoint without megashard's {MARKER_FILE} (not saved by megashard.checkpoint.save)")
     raise CheckpointNotFoundError(
         f"no complete checkpoint in {path}: it is neither a checkpoint directory (with {MARKER_FILE}) nor a root "

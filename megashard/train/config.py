@@ -199,8 +199,11 @@ class JobConfig:
         if self.data.source == "text":
             import os
 
-            _need(self.data.path is not None and os.path.isfile(self.data.path),
-                  f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
+            p = self.data.path
+            _need(p is not None and os.path.isfile(p),
+                  f"data.source=text needs data.path to be an existing file, got {p!r}"
+                  + (" (it exists but is not a regular file: a FIFO, device or directory)"
+                     if p is not None and os.path.lexists(p) else ""))
         if not data:
             pass
         elif self.data.source == "indexed":
