@@ -94,9 +94,11 @@ def cmd_plan_range(args: Any, job: Any) -> int:
     """``megashard plan`` of an elastic config without ``--world-size``."""
     from megashard.errors import ConfigError
 
-    if args.svg or args.all_groups or args.groups:
-        raise ConfigError("--svg, --groups and --all-groups show one layout: add --world-size N to plan one world size "
-                          f"of launch.nnodes={job.launch.nnodes}")
+    one = [f for f, given in (("--svg", args.svg), ("--groups", args.groups), ("--all-groups", args.all_groups),
+                              ("--rank", args.rank != 0), ("--strict", args.strict)) if given]
+    if one:  # flags of one layout's groups: refused, never silently unused
+        raise ConfigError(f"{', '.join(one)} show{'s' if len(one) == 1 else ''} one layout: add --world-size N to plan "
+                          f"one world size of launch.nnodes={job.launch.nnodes}")
     source = " ".join([args.config or "", *args.overrides]).strip()
     plan = range_plan(job, source)
     if not any("sizes" in w for w in plan["worlds"]):

@@ -211,7 +211,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     from megashard.readers import CONFIG, read_bytes
 
     # opened without blocking and checked again on the open file (a FIFO swapped in), at most CONFIG bytes read
-    raw = read_bytes(path, "config file", limit=CONFIG, hint="give a YAML file")
+    try:
+        raw = read_bytes(path, "config file", limit=CONFIG, hint="give a YAML file")
+    except ConfigError as e:  # worded as the checks above: "config file '<path>' is ..."
+        raise ConfigError(str(e).replace(f"config file {path}: ", f"config file {path!r} ", 1)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
