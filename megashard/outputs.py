@@ -15,7 +15,10 @@ naming the option, the path and the rule, exit code 2, and nothing read, compute
 - **a place megashard did not make.** A directory megashard creates for its output carries a marker file,
   :data:`MARKER` (``{"tool": "megashard", "holds": ["run"], ...}``, see :data:`KINDS`). A command writes into a
   directory only when it is new, empty, or megashard's (:func:`claim_dir` creates and marks it), and replaces
-  one (``export-hf --force``) only when it holds nothing but megashard's output of that kind. An existing file
+  one (``export-hf --force``) only when it holds nothing but what megashard wrote there: the marker lists those
+  files (:func:`record_files`: size, SHA-256 of small ones); anything added or changed since is named and refused
+  (a marker of a megashard before file lists: judged by the names that kind holds). A marker that cannot be read
+  is named as damaged; nothing is touched. An existing file
   is replaced only when the caller recognises it as megashard's own (``mine``: a corpus with megashard's
   metadata, a ``megashard plan`` picture, a ``torch.save`` archive given ``--force``).
 

@@ -155,7 +155,9 @@ def save_calibration(path: str, timings: list[Timing], shape: Any, world_size: i
            "machine": {"node": platform.node(), "cpus": os.cpu_count(), "device": device,
                        "python": platform.python_version()},
            "steps": steps, "rounds": rounds, "timings": [dataclasses.asdict(t) for t in timings]}
-    tmp = f"{path}.tmp{os.getpid()}"
+    from megashard.outputs import temp_path
+
+    tmp = temp_path(path)  # a new name of its own (path.tmp<pid> could be a file of the user's)
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, path)
