@@ -176,8 +176,8 @@ def _check_calibration_flags(args: argparse.Namespace) -> None:
         # given at all (even at its default value) without --calibrate: said, never silently ignored
         for flag, value in (("--calibrate-steps", args.calibrate_steps), ("--calibrate-rounds", args.calibrate_rounds)):
             if value is not None:
-                raise ConfigError(f"{flag} {value} only applies with --calibrate (it sets how each layout is timed); "
-                                  "add --calibrate, or drop it")
+                raise ConfigError(f"{flag} only applies with --calibrate (given: {value}; it sets how each layout is "
+                                  "timed): add --calibrate, or drop it")
         return
     args.calibrate_steps = 5 if args.calibrate_steps is None else args.calibrate_steps
     args.calibrate_rounds = 2 if args.calibrate_rounds is None else args.calibrate_rounds
