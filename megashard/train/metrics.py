@@ -89,6 +89,9 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     records = list(records)
     if not records:
         return "loss plot skipped: no metrics recorded"
+    if os.path.lexists(path) and not _plot_of_ours(path):  # a picture of the user's in the run directory: kept
+        return (f"loss plot skipped: {path} exists and is not a plot megashard drew (megashard never overwrites a "
+                "file it did not make; move it away to get the plot)")
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="training")
     valid = [r for r in records if "valid_loss" in r]
@@ -108,9 +111,28 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Software": _PLOT_SIGNATURE})  # a PNG text chunk: how the next run knows it
     plt.close(fig)
     return None
+
+
+#: The PNG "Software" text of the loss plot megashard draws (older plots: matplotlib's own, also accepted).
+_PLOT_SIGNATURE = "megashard loss plot"
+
+
+def _plot_of_ours(path: str) -> bool:
+    """``path`` is a loss plot megashard drew: a regular PNG whose head carries megashard's signature (or, drawn by a
+    megashard before signatures, matplotlib's)."""
+    from megashard.errors import MegashardError
+    from megashard.readers import check_regular
+
+    try:
+        check_regular(path, "loss plot")
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except (OSError, MegashardError):
+        return False
+    return head.startswith(b"\x89PNG") and (_PLOT_SIGNATURE.encode() in head or b"matplotlib" in head)
 
 
 def print_summary(job: JobConfig, result: TrainResult, records: list[dict[str, Any]]) -> None:
