@@ -21,10 +21,31 @@ def did_you_mean(word: object, choices: Iterable[str], *, prefix: str = "", cuto
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
+#: Characters that print as nothing or as a plain space: shown escaped in a quoted name.
+_INVISIBLE = frozenset("\u00a0\u00ad\u180e\u200b\u200c\u200d\u200e\u200f\u2028\u2029\u202f\u2060\u205f\u3000\ufeff")
+
+
+def quoted(word: object) -> str:
+    """``word`` in single quotes for an error line, with invisible characters escaped (``'t\\u200bp'``,
+    ``'tp\\xa0'``): a name holding a no-break or zero-width space must not read like the name it resembles."""
+    text = str(word)
+    return "'" + "".join(ch if ch.isprintable() and ch not in _INVISIBLE and not (ch.isspace() and ch != " ")
+                         else ch.encode("unicode_escape").decode("ascii") for ch in text) + "'"
+
+
 def unknown_names(words: Iterable[object], choices: Iterable[str], *, prefix: str = "", cutoff: float = 0.6) -> str:
-    """``'a' (did you mean 'b'?), 'c'``: each unknown word quoted (with ``prefix``) and hinted, for one error line."""
+    """``'a' (did you mean 'b'?), 'c'``: each unknown word quoted (with ``prefix``; invisible characters escaped, and
+    said when they are all that tells it from a valid name) and hinted, for one error line."""
     choices = list(choices)
-    return ", ".join(f"'{prefix}{w}'" + did_you_mean(w, choices, prefix=prefix, cutoff=cutoff) for w in words)
+    out = []
+    for w in words:
+        text = str(w)
+        visible = "".join(ch for ch in text if ch not in _INVISIBLE and (ch.isprintable() or ch == " ")).strip()
+        if visible != text and visible in choices:
+            out.append(f"{quoted(prefix + text)} (an invisible character in '{prefix}{visible}': retype the key)")
+        else:
+            out.append(quoted(prefix + text) + did_you_mean(w, choices, prefix=prefix, cutoff=cutoff))
+    return ", ".join(out)
 
 
 class MegashardError(Exception):

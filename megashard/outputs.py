@@ -15,7 +15,10 @@ naming the option, the path and the rule, exit code 2, and nothing read, compute
 - **a place megashard did not make.** A directory megashard creates for its output carries a marker file,
   :data:`MARKER` (``{"tool": "megashard", "holds": ["run"], ...}``, see :data:`KINDS`). A command writes into a
   directory only when it is new, empty, or megashard's (:func:`claim_dir` creates and marks it), and replaces
-  one (``export-hf --force``) only when it holds nothing but megashard's output of that kind. An existing file
+  one (``export-hf --force``) only when it holds nothing but what megashard wrote there: the marker lists those
+  files (:func:`record_files`: size, SHA-256 of small ones); anything added or changed since is named and refused
+  (a marker of a megashard before file lists: judged by the names that kind holds). A marker that cannot be read
+  is named as damaged; nothing is touched. An existing file
   is replaced only when the caller recognises it as megashard's own (``mine``: a corpus with megashard's
   metadata, a ``megashard plan`` picture, a ``torch.save`` archive given ``--force``).
 
@@ -39,6 +42,7 @@ from typing import Callable, Iterable, Optional
 from megashard.errors import ConfigError
 
 __all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "check_owned", "claim_dir", "marker_kinds", "owner",
+           "marker_problem", "record_files",
            "is_torch_archive", "torch_archive_comment", "temp_path", "new_file_mode",
            "is_resolved_config", "RESOLVED_CONFIG_HEADER"]
 
@@ -121,24 +125,102 @@ def _check_not_input(option: str, path: str, reads: Iterable[str], kind: str) ->
 
 
 # ---------------------------------------------------------------------------------------------- markers
+#: Files up to this size get a SHA-256 in the marker's file list (config.json, the index: what a person edits);
+#: larger ones (weight shards) are recorded by size.
+_HASHED_UP_TO = 1 << 20
+
+
+def _read_marker(path: str) -> tuple[Optional[dict], Optional[str]]:
+    """``(doc, None)`` for a valid marker of directory ``path``, ``(None, None)`` when it has none, ``(None, why)``
+    when one is there but damaged (not a regular file, too large, not JSON, not megashard's shape)."""
+    from megashard.readers import SMALL, read_json
+
+    full = os.path.join(path, MARKER)
+    if not os.path.lexists(full):
+        return None, None
+    try:
+        doc = read_json(full, "marker", limit=SMALL)
+    except ConfigError as e:
+        return None, str(e).split(f"{full}: ", 1)[-1]
+    if not isinstance(doc, dict) or doc.get("tool") != "megashard":
+        return None, "is not a JSON object with tool: megashard"
+    holds = doc.get("holds")
+    if not isinstance(holds, list) or not holds or not all(isinstance(k, str) for k in holds):
+        return None, f"has no list of kinds ('holds': {holds!r})"
+    files = doc.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int) for k, v in files.items())):
+        return None, "has a file list ('files') that is not {name: {size, sha256}}"
+    return doc, None
+
+
 def marker_kinds(path: str) -> Optional[list[str]]:
     """The kinds a marked directory holds (its marker's ``holds``), or None when ``path`` has no valid marker."""
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    holds = doc.get("holds") if isinstance(doc, dict) and doc.get("tool") == "megashard" else None
-    if not isinstance(holds, list) or not all(isinstance(k, str) for k in holds):
-        return None
-    return holds
+    doc, _ = _read_marker(path)
+    return None if doc is None else list(doc["holds"])
 
 
-def _write_marker(path: str, kinds: list[str]) -> None:
+def marker_problem(path: str) -> Optional[str]:
+    """Why the marker of directory ``path`` cannot be read (it is there but damaged), or None (valid or absent)."""
+    return _read_marker(path)[1]
+
+
+def _file_entry(full: str) -> dict:
+    st = os.stat(full)
+    entry: dict = {"size": st.st_size}
+    if st.st_size <= _HASHED_UP_TO:
+        import hashlib
+
+        with open(full, "rb") as f:
+            entry["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return entry
+
+
+def record_files(path: str, names: Iterable[str]) -> None:
+    """Add files ``names`` (in marked directory ``path``, just written by megashard) to its marker's file list (size,
+    and a SHA-256 of small ones): what a later ``--force`` may delete, and nothing else."""
+    doc, why = _read_marker(path)
+    if doc is None:
+        raise ConfigError(f"{path}: its marker {MARKER} " + (why or "is missing") + " (megashard writes it first)")
+    files = dict(doc.get("files") or {})
+    for n in names:
+        files[n] = _file_entry(os.path.join(path, n))
+    _write_marker(path, list(doc["holds"]), files)
+
+
+def _not_ours(path: str, doc: dict, kind: str) -> list[str]:
+    """The entries of marked directory ``path`` that are not megashard's output (``name`` added since, ``name
+    (changed)`` edited or replaced since): judged by the marker's file list, or — a marker of a megashard before
+    file lists — by the names ``kind`` writes (every entry a regular file of such a name)."""
+    listed = doc.get("files")
+    out = []
+    for n in sorted(os.listdir(path)):
+        if n == MARKER or _MARKER_TMP.match(n):
+            continue
+        full = os.path.join(path, n)
+        if os.path.islink(full) or not os.path.isfile(full):
+            out.append(n + ("/" if os.path.isdir(full) else ""))
+        elif listed is None:
+            if not (kind == "hf-export" and _HF_ENTRY.match(n)):
+                out.append(n)
+        elif n not in listed:
+            out.append(n)
+        else:
+            want, st = listed[n], os.stat(full)
+            if st.st_size != want.get("size") or ("sha256" in want and _file_entry(full).get("sha256") != want["sha256"]):
+                out.append(f"{n} (changed)")
+    return out
+
+
+def _write_marker(path: str, kinds: list[str], files: Optional[dict] = None) -> None:
     from megashard._version import __version__
 
+    old, _ = _read_marker(path)
+    created = (old or {}).get("created")
     doc = {"tool": "megashard", "holds": kinds, "what": [KINDS.get(k, k) for k in kinds], "version": __version__,
-           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+           "created": created if isinstance(created, str) else time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if files is not None:
+        doc["files"] = files
     tmp = temp_path(os.path.join(path, MARKER))
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -152,10 +234,13 @@ def is_resolved_config(path: str) -> bool:
 
 
 def _first_line(path: str) -> str:
+    from megashard.readers import check_regular
+
     try:
+        check_regular(path, "file")  # a FIFO of that name would block open()
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.readline(4096)
-    except OSError:
+    except (OSError, ConfigError):
         return ""
 
 
@@ -220,14 +305,18 @@ def _recognised(path: str, kind: str, names: list[str]) -> bool:
 
 def owner(path: str, kind: str) -> str:
     """Who ``path`` belongs to, for a command writing ``kind`` there: ``"absent"``, ``"empty"`` (a directory with
-    nothing in it), ``"marked"`` (megashard's marker, any kind), ``"recognised"`` (an older megashard directory of
-    ``kind``, see :func:`_recognised`), or ``"foreign"`` (anything else, a file included)."""
+    nothing in it), ``"marked"`` (megashard's marker, any kind), ``"damaged"`` (a marker megashard cannot read),
+    ``"recognised"`` (an older megashard directory of ``kind``, see :func:`_recognised`), or ``"foreign"``
+    (anything else, a file included)."""
     if not os.path.lexists(path):
         return "absent"
     if not os.path.isdir(path):
         return "foreign"
-    if marker_kinds(path) is not None:
+    doc, damaged = _read_marker(path)
+    if doc is not None:
         return "marked"
+    if damaged is not None:
+        return "damaged"
     try:
         # a marker another process is writing right now (two launchers of one elastic job start together) is not a
         # file of the user's
@@ -257,8 +346,25 @@ def _check_owned(option: str, path: str, kind: str, replace: bool) -> None:
     if who in ("absent", "empty", "recognised"):
         return
     what = KINDS[kind].split(" (")[0]
+    if who == "damaged":
+        raise ConfigError(f"{_label(option, path)}: its marker {MARKER} is damaged ({marker_problem(path)}), so "
+                          "megashard cannot tell which files there are its own and touches none; if the directory "
+                          f"holds only megashard's output, delete {MARKER} (megashard then recognises its files by "
+                          "name), else choose a new directory")
     if who == "marked":
-        kinds = marker_kinds(path) or []
+        doc, _ = _read_marker(path)
+        kinds = list(doc["holds"]) if doc else []
+        if replace and kinds == [kind]:
+            foreign = _not_ours(path, doc or {}, kind)
+            if foreign:
+                shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+                basis = ("its marker's list of the files megashard wrote" if (doc or {}).get("files") is not None
+                         else f"the names megashard writes in {what}: the marker, from an earlier megashard, lists "
+                              "no files")
+                raise ConfigError(f"{_label(option, path)}: holds what megashard did not write there: {shown} (judged "
+                                  f"by {basis}); replacing the directory would delete them: move them out of it, or "
+                                  "choose another path")
+            return
         if kinds == [kind] or (not replace and kind in _SHARING and set(kinds) <= _SHARING):
             return
         whose = " and ".join(KINDS.get(k, k).split(" (")[0] for k in kinds)
@@ -326,9 +432,10 @@ def claim_dir(path: str, kind: str, option: str = "") -> str:
     refused here too: ConfigError). Returns the absolute path."""
     _check_owned(option or kind, path, kind, replace=False)
     os.makedirs(path, exist_ok=True)
-    kinds = marker_kinds(path)
-    if kinds is None or kind not in kinds:
-        _write_marker(path, (kinds or []) + [kind])
+    doc, _ = _read_marker(path)
+    kinds = list(doc["holds"]) if doc else []
+    if kind not in kinds:
+        _write_marker(path, kinds + [kind], (doc or {}).get("files"))
     return os.path.abspath(path)
 
 

@@ -80,16 +80,20 @@ def initialize_model_parallel(
     """
     from megashard.state.comm_env import drop_collnet, sharp_group_of
 
+    from megashard.config.argcheck import check_args
+
+    # before anything else: use_sharp="no" must not reach the SHARP rules as "yes"
+    check_args("initialize_model_parallel", dict(locals()), _ARG_TYPES)
     drop_collnet()  # as Megatron: no communicator but the chosen SHARP group may be made with CollNet on
-    rank_offset = rank_offset or 0
     sharp = sharp_group_of(use_sharp, sharp_enabled_group, num_distributed_optimizer_instances)
     if not dist.is_initialized():
         raise StateError("initialize_model_parallel needs torch.distributed.init_process_group() first")
     world = dist.get_world_size()
-    for name, v, low in (("rank_offset", rank_offset, 0), ("local_world_size", local_world_size, 1)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            raise ConfigError(f"initialize_model_parallel: {name}={v!r} must be an integer >= {low}")
     n = world if local_world_size is None else local_world_size
+    if rank_offset >= world:  # no local_world_size could fit: say what can be changed
+        raise ConfigError(f"initialize_model_parallel: rank_offset={rank_offset} is past the last rank of the "
+                          f"{world}-rank default group; give rank_offset in 0..{world - 1} (and local_world_size at "
+                          "most world size - rank_offset)")
     if rank_offset + n > world:
         raise ConfigError(f"initialize_model_parallel: rank_offset={rank_offset} with a layout of {n} ranks "
                           f"(local_world_size{'' if local_world_size is not None else ', default: the world size'}) "
@@ -149,6 +153,22 @@ def initialize_model_parallel(
         if st is None:
             return
     st.locals.virtual_pipeline_rank = 0 if virtual_pipeline_model_parallel_size is not None else None
+
+
+#: initialize_model_parallel's arguments by the Python value each takes (megashard.config.argcheck's kinds).
+_ARG_TYPES = {
+    **dict.fromkeys(("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "gtp_remat_size", "expert_gtp_remat_size",
+                     "num_distributed_optimizer_instances"), "int>=1"),
+    **dict.fromkeys(("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size", "local_world_size"),
+                    "int>=1?"),
+    "rank_offset": "int>=0", "distributed_timeout_minutes": "number>0",
+    **dict.fromkeys(("use_sharp", "hybrid_context_parallel", "create_gloo_process_groups"), "bool"),
+    **dict.fromkeys(("pipeline_model_parallel_comm_backend", "nccl_communicator_config_path", "sharp_enabled_group"),
+                    "str?"),
+    "order": "str", "hierarchical_context_parallel_sizes": "ints?", "high_priority_stream_groups": "strs?",
+    "get_embedding_ranks": "callable?", "get_position_embedding_ranks": "callable?",
+}
 
 
 def _global_ranks_fn(fn: Optional[Callable[[list[int]], list[int]]], offset: int):

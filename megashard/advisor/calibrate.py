@@ -98,6 +98,12 @@ def time_layouts(doc: dict[str, Any], name: str, candidates: list[Any], world_si
     """
     import yaml
 
+    from megashard.advisor.units import check_count
+
+    check_count("world_size", world_size, 1)
+    check_count("steps", steps, 1)
+    check_count("warmup", warmup, 0)
+    check_count("rounds", rounds, 1)
     if steps <= warmup:
         raise ConfigError(f"--calibrate-steps {steps}: must be more than the {warmup} warm-up steps it drops")
     timings = [Timing(c.label(), c.overrides()) for c in candidates]
@@ -241,21 +247,21 @@ def save_calibration(path: str, timings: list[Timing], shape: Any, world_size: i
            "machine": {"node": platform.node(), "cpus": os.cpu_count(), "device": device,
                        "python": platform.python_version()},
            "steps": steps, "rounds": rounds, "timings": [dataclasses.asdict(t) for t in timings]}
-    tmp = f"{path}.tmp{os.getpid()}"
+    from megashard.outputs import temp_path
+
+    tmp = temp_path(path)  # a new name of its own (path.tmp<pid> could be a file of the user's)
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, path)
 
 
 def _read(path: str, option: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{option} {path}: no such file (write one with --calibrate --calibration {path})") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{option} {path}: not a calibration file megashard wrote ({type(e).__name__}); "
-                          "megashard does not overwrite or read it") from None
+    from megashard.readers import SMALL, read_json
+
+    if not os.path.lexists(path):
+        raise ConfigError(f"{option} {path}: no such file (write one with --calibrate --calibration {path})")
+    # a FIFO, device or huge file is named, never read (it would block or fill memory)
+    doc = read_json(path, option, limit=SMALL, hint="give a calibration file megashard wrote (--calibrate)")
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise ConfigError(f"{option} {path}: not a calibration file megashard wrote (no kind: {KIND}); megashard does "
                           "not overwrite or read it")
@@ -268,8 +274,17 @@ def _read(path: str, option: str) -> dict[str, Any]:
 def load_calibration(path: str, shape: Any, world_size: int) -> list[Timing]:
     """The timings of a calibration file measured for this job (``shape``) and ``world_size``; ConfigError naming
     what differs otherwise."""
-    doc = _read(path, "--calibration")
-    if doc.get("world_size") != world_size:
+    from megashard.advisor.units import check_count
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load_calibration: path={path!r:.60} must be a file path (str)")
+    check_count("world_size", world_size, 1)
+    doc = _read(os.fspath(path), "--calibration")
+    got_world = doc.get("world_size")
+    if isinstance(got_world, bool) or not isinstance(got_world, int) or got_world < 1:
+        raise ConfigError(f"--calibration {path}: its world_size is {got_world!r} ({type(got_world).__name__}), not a "
+                          "positive integer: the file is damaged or not megashard's; calibrate again (--calibrate)")
+    if got_world != world_size:
         raise ConfigError(f"--calibration {path}: measured for {doc.get('world_size')} ranks, not --world-size "
                           f"{world_size}; calibrate this world (--calibrate)")
     want, got = fingerprint(shape), doc.get("shape") or {}

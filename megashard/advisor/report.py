@@ -5,7 +5,7 @@ from typing import Any
 
 from megashard.advisor.cost import AXES
 from megashard.advisor.search import Candidate, Suggestion
-from megashard.advisor.units import parse_bytes  # noqa: F401 - re-exported (its old home)
+from megashard.advisor.units import check_count, parse_bytes  # noqa: F401 - parse_bytes re-exported (its old home)
 
 GIB = 1 << 30
 
@@ -79,6 +79,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
 
 def suggestion_dict(r: Suggestion, top: int, source: str = "") -> dict[str, Any]:
     """The whole suggestion as JSON-ready data: the ``top`` layouts, every too-large and every refused one."""
+    check_count("top", top, 1)
     hw = r.hardware
     return {
         "source": source, "world_size": r.world_size, "device_memory": r.device_memory,
@@ -113,6 +114,8 @@ def too_big_reason(c: Candidate, device_memory: int) -> str:
 
 def format_suggestion(r: Suggestion, top: int, source: str = "", shown_rejections: int = 10) -> str:
     """The suggestion as text: header, the ranked table, the best layout's memory and command, what does not fit."""
+    check_count("top", top, 1)
+    check_count("shown_rejections", shown_rejections, 0)
     hw = r.hardware
     out = [f"megashard plan --suggest{': ' + source if source else ''} — {r.world_size} rank{'s' if r.world_size != 1 else ''}, "
            f"{_gib(r.device_memory)} GiB per device, {r.ranks_per_node} ranks per node",

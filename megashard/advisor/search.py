@@ -240,6 +240,8 @@ def suggest(job: Any, world_size: int, device_memory: int | str, ranks_per_node:
     if not hasattr(job, "train") or not hasattr(job, "model"):
         raise ConfigError(f"job={type(job).__name__}: must be a megashard.train.config.JobConfig "
                           "(JobConfig.from_yaml(path) or JobConfig.from_dict(doc))")
+    if shape is not None and not isinstance(shape, JobShape):
+        raise ConfigError(f"shape={shape!r:.60}: must be a megashard.advisor.shape.JobShape (or None: read from job)")
     hw = hardware or Hardware()
     shape = shape or JobShape.from_job(job)
     v = _Validator(job, world_size)

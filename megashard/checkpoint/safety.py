@@ -100,13 +100,12 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 def read_json(path: str, what: str) -> dict:
     """Load a small JSON file with the standard (safe) loader; a broken file raises naming it."""
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointCorruptedError(f"{what} {path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointCorruptedError(f"{what} {path} is unreadable or not valid JSON ({e}); the file is damaged") from None
+    from megashard.readers import LARGE, read_json as read_file
+
+    if not os.path.lexists(path):
+        raise CheckpointCorruptedError(f"{what} {path} is missing")
+    # a FIFO, device or huge file in its place is named as damaged, never opened to read (it would block)
+    obj = read_file(path, what, limit=LARGE, error=CheckpointCorruptedError, hint="the file is damaged")
     if not isinstance(obj, dict):
         raise CheckpointCorruptedError(f"{what} {path} must hold a JSON object, found {type(obj).__name__}")
     return obj
@@ -324,7 +323,13 @@ def resolve_checkpoint(path: str) -> str:
         detail.append(f"step directories without a {MARKER_FILE} marker (not finished): {incomplete}")
     if in_progress:
         detail.append(f"unfinished saves (killed or still running): {in_progress}")
-    if os.path.exists(os.path.join(path, ".metadata")):
+    marker = os.path.join(path, MARKER_FILE)
+    if os.path.lexists(marker) and not os.path.isfile(marker):  # a FIFO or directory in its place: damaged
+        from megashard.readers import kind_of
+
+        what = kind_of(os.lstat(marker).st_mode) if not os.path.islink(marker) else "a broken or special link"
+        detail.append(f"{MARKER_FILE} that is {what}, not a regular file (the checkpoint is damaged)")
+    elif os.path.exists(os.path.join(path, ".metadata")):
         detail.append(f"a DCP checkpoint without megashard's {MARKER_FILE} (not saved by megashard.checkpoint.save)")
     raise CheckpointNotFoundError(
         f"no complete checkpoint in {path}: it is neither a checkpoint directory (with {MARKER_FILE}) nor a root "
@@ -383,9 +388,8 @@ def run_of(ckpt_dir: str) -> Optional[str]:
     """The id of the run that saved checkpoint ``ckpt_dir`` (``run_id`` of its layout file; ``""`` when it records
     none, e.g. saved by an earlier megashard version), or None when the layout file is unreadable."""
     try:
-        with open(os.path.join(ckpt_dir, LAYOUT_FILE), encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError):
+        info = read_json(os.path.join(ckpt_dir, LAYOUT_FILE), "layout file")
+    except CheckpointError:
         return None
     return str(info.get("run_id") or "") if isinstance(info, dict) else None
 
@@ -394,9 +398,8 @@ def _created(entry: CheckpointEntry) -> tuple[float, int]:
     """Recency of a complete checkpoint: when its marker says it was completed (else its marker file's mtime)."""
     path = os.path.join(entry.path, MARKER_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            created = float(json.load(f).get("created") or 0.0)
-    except (OSError, ValueError, TypeError, AttributeError):
+        created = float(read_json(path, "marker").get("created") or 0.0)
+    except (CheckpointError, ValueError, TypeError, AttributeError):
         created = 0.0
     if not created:
         try:

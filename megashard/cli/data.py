@@ -35,7 +35,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     pr.add_argument("inputs", metavar="INPUT", nargs="+", help="text or JSON-lines files, directories, glob patterns")
     pr.add_argument("--out", "-o", required=True, metavar="PREFIX", help="output prefix (its directory must exist)")
-    pr.add_argument("--tokenizer", "-t", default="byte", metavar="T",
+    pr.add_argument("--tokenizer", "-t", default=None, metavar="T",
                     help="'byte' (built in: UTF-8 bytes + end-of-document, 257 ids) or a Hugging Face tokenizer.json "
                     "(needs pip install 'megashard[data]'); default byte")
     pr.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB",
@@ -60,7 +60,12 @@ def add(sub: argparse._SubParsersAction) -> None:
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from megashard.data.prepare import prepare
 
-    r = prepare(args.inputs, args.out, args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
+    if args.tokenizer is not None and args.train_tokenizer is not None:  # one would be silently unused
+        from megashard.errors import ConfigError
+
+        raise ConfigError(f"--tokenizer {args.tokenizer} and --train-tokenizer {args.train_tokenizer}: give one (an "
+                          "existing tokenizer, or train a new one on the inputs), not both")
+    r = prepare(args.inputs, args.out, args.tokenizer or "byte", train_tokenizer=args.train_tokenizer, workers=args.workers,
                 text_key=args.text_key, progress=not args.quiet, encoding=args.encoding,
                 encoding_errors=args.encoding_errors)
     changed = ""

@@ -81,7 +81,7 @@ def load_job(path: str, overrides: Iterable[str] = (), world_size: int | None = 
         job.validate_sections()
         config = job.parallel
     else:  # a bare parallel config
-        config = ParallelConfig.from_dict(parallel_section(doc, path))
+        config = ParallelConfig.from_dict(parallel_section(doc, path), yaml_words=True)
     what = "world size"
     if world_size is None:
         world_size = launch_world_size(doc, path)
@@ -172,7 +172,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--svg", metavar="FILE", default=None, help="write a picture of the rank grid coloured by group")
     p.add_argument(
-        "--svg-max-ranks", type=int, default=512, metavar="M",
+        "--svg-max-ranks", type=int, default=None, metavar="M",
         help="largest number of ranks drawn; bigger worlds show their first whole nodes (default 512)",
     )
     p.add_argument("--strict", action="store_true", help="exit 1 when the locality report has warnings")
@@ -188,6 +188,13 @@ def add(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megashard.cli.suggest import cmd_suggest, check_not_suggest
 
+    if args.svg_max_ranks is not None and not args.svg:  # given but unused: said (even at its default value)
+        from megashard.layout.plan_svg import MAX_SVG_RANKS
+
+        check_int("--svg-max-ranks", args.svg_max_ranks, 1, MAX_SVG_RANKS)
+        raise ConfigError(f"--svg-max-ranks {args.svg_max_ranks} only applies with --svg FILE (the picture); add "
+                          "--svg, or drop it")
+    args.svg_max_ranks = 512 if args.svg_max_ranks is None else args.svg_max_ranks
     if args.suggest:
         return cmd_suggest(args)
     check_not_suggest(args)

@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from megashard.train.elastic import absorbing_axis, valid_sizes_text, world_options
+from megashard.train.elastic import MAX_LISTED, absorbing_axis, refusals_text, valid_sizes_text, world_options
 
 __all__ = ["range_plan", "format_range", "cmd_plan_range"]
 
@@ -49,7 +49,12 @@ def format_range(plan: dict[str, Any]) -> str:
     head = ("nodes", "world") + tuple(cols) + ("seq/rank", "microbatches")
     rows: list[tuple[str, ...]] = [head]
     refused = []
-    for w in plan["worlds"]:
+    worlds = plan["worlds"]
+    skipped: list = []
+    if len(worlds) > MAX_LISTED:  # thousands of node counts: the ends listed, the middle summarised
+        half, quarter = MAX_LISTED // 2, MAX_LISTED // 4
+        worlds, skipped = worlds[:half] + worlds[-quarter:], worlds[half:-quarter]
+    for w in worlds:
         if "sizes" in w:
             s = w["sizes"]
             rows.append((str(w["nodes"]), str(w["world_size"]), *("-" if s[k] is None else str(s[k]) for k in cols),
@@ -58,10 +63,21 @@ def format_range(plan: dict[str, Any]) -> str:
             rows.append((str(w["nodes"]), str(w["world_size"])))
             refused.append(w)
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(head))]
-    for r in rows:
+    for i, r in enumerate(rows):
         cells = [c.ljust(widths[i]) for i, c in enumerate(r)] + (["refused (below)"] if len(r) == 2 else [])
         out.append("  " + "  ".join(cells).rstrip())
+        if skipped and i == MAX_LISTED // 2:
+            run = [w["world_size"] for w in skipped if "sizes" in w]
+            out.append(f"  … {len(skipped):,} more node counts ({skipped[0]['nodes']}..{skipped[-1]['nodes']}) not "
+                       f"listed: {len(run)} run{' (world sizes ' + ', '.join(map(str, run[:12])) + (', …' if len(run) > 12 else '') + ')' if run else ''}, "
+                       f"{len(skipped) - len(run)} refused (--format json lists every one)")
     out.append("")
+    if len(refused) > MAX_LISTED // 2:  # one line per distinct reason, not per world
+        from megashard.train.elastic import WorldOption
+
+        opts = [WorldOption(w["nodes"], w["world_size"], refusal=w["refused"]) for w in plan["worlds"] if "refused" in w]
+        out.append(f"{len(opts):,} world sizes are refused: {refusals_text(opts, limit=4)}")
+        refused = []
     for w in refused:
         out.append(f"world {w['world_size']} ({w['nodes']} node{'s' if w['nodes'] != 1 else ''}) is refused: "
                    f"{w['refused']}")
@@ -78,15 +94,17 @@ def cmd_plan_range(args: Any, job: Any) -> int:
     """``megashard plan`` of an elastic config without ``--world-size``."""
     from megashard.errors import ConfigError
 
-    if args.svg or args.all_groups or args.groups:
-        raise ConfigError("--svg, --groups and --all-groups show one layout: add --world-size N to plan one world size "
-                          f"of launch.nnodes={job.launch.nnodes}")
+    one = [f for f, given in (("--svg", args.svg), ("--groups", args.groups), ("--all-groups", args.all_groups),
+                              ("--rank", args.rank != 0), ("--strict", args.strict)) if given]
+    if one:  # flags of one layout's groups: refused, never silently unused
+        raise ConfigError(f"{', '.join(one)} show{'s' if len(one) == 1 else ''} one layout: add --world-size N to plan "
+                          f"one world size of launch.nnodes={job.launch.nnodes}")
     source = " ".join([args.config or "", *args.overrides]).strip()
     plan = range_plan(job, source)
     if not any("sizes" in w for w in plan["worlds"]):
         opts = world_options(job)
         raise ConfigError(f"launch.nnodes={job.launch.nnodes}: no world size in range can run this job "
-                          f"({valid_sizes_text(opts)} run); at world size {opts[-1].world_size}: {opts[-1].refusal}")
+                          f"({valid_sizes_text(opts)} run); {refusals_text(opts)}")
     if args.format == "json":
         sys.stdout.write(json.dumps(plan, indent=1) + "\n")
     else:

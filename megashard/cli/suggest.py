@@ -56,9 +56,9 @@ def add_suggest_options(p: argparse.ArgumentParser) -> None:
                         "interleaved — and rank by the measured step time (writes --calibration FILE if given)")
     g.add_argument("--calibration", metavar="FILE", default=None,
                    help="with --calibrate: write the timings to FILE; alone: rank by the timings FILE holds")
-    g.add_argument("--calibrate-steps", type=int, default=5, metavar="N",
+    g.add_argument("--calibrate-steps", type=int, default=None, metavar="N",
                    help="steps of each calibration run; the first 2 are warm-up (default 5)")
-    g.add_argument("--calibrate-rounds", type=int, default=2, metavar="R",
+    g.add_argument("--calibrate-rounds", type=int, default=None, metavar="R",
                    help="runs of each layout, interleaved; its time is the median step over all (default 2)")
 
 
@@ -238,11 +238,14 @@ def _check_calibration_counts(args: argparse.Namespace) -> None:
     from megashard.advisor.units import check_count
 
     if args.calibrate is None:
-        for flag, value, default in (("--calibrate-steps", args.calibrate_steps, 5),
-                                     ("--calibrate-rounds", args.calibrate_rounds, 2)):
-            if value != default:
-                raise ConfigError(f"{flag} only applies with --calibrate")
+        # given at all (even at its default value) without --calibrate: said, never silently ignored
+        for flag, value in (("--calibrate-steps", args.calibrate_steps), ("--calibrate-rounds", args.calibrate_rounds)):
+            if value is not None:
+                raise ConfigError(f"{flag} only applies with --calibrate (given: {value}; it sets how each layout is "
+                                  "timed): add --calibrate, or drop it")
         return
+    args.calibrate_steps = 5 if args.calibrate_steps is None else args.calibrate_steps
+    args.calibrate_rounds = 2 if args.calibrate_rounds is None else args.calibrate_rounds
     check_count("--calibrate", args.calibrate, 1, 64, note=" (layouts to time)")
     check_count("--calibrate-steps", args.calibrate_steps, 3, 1000, note=" (the first 2 are warm-up)")
     check_count("--calibrate-rounds", args.calibrate_rounds, 1, 100)
@@ -283,6 +286,11 @@ def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source
     shape = JobShape.from_job(job)
     if args.calibrate is None:
         timings = load_calibration(args.calibration, shape, args.world_size)
+        if timings and not apply_timings(result, timings):  # a file that matches no layout: said, not ignored
+            print(f"megashard plan: note: --calibration {args.calibration}: none of its {len(timings)} timed layout(s) "
+                  "is among this job's layouts, so it is unused and the ranking is the estimate's; calibrate this "
+                  "job (--calibrate)", file=sys.stderr)
+            return
     else:
         top = pick_layouts(result.ranked, args.calibrate)
         print(f"megashard plan: calibrating: {len(top)} layout(s) that differ × {args.calibrate_rounds} round(s) of "

@@ -10,7 +10,19 @@ from typing import Any, Mapping
 
 from megashard.errors import ConfigError, unknown_names
 
-__all__ = ["yaml_key", "yaml_keys", "reject_unknown_keys"]
+__all__ = ["yaml_key", "yaml_keys", "reject_unknown_keys", "BOOL_WORDS", "yaml_bool"]
+
+#: YAML 1.1's other spellings of true and false. megashard's YAML reads them as text (a string field gets the word
+#: as written); a true/false field of a YAML file, an override or a mapping takes them as the boolean they spell.
+#: (A Python argument must be a real bool.)
+BOOL_WORDS = {w: True for w in ("yes", "Yes", "YES", "on", "On", "ON")}
+BOOL_WORDS.update({w: False for w in ("no", "No", "NO", "off", "Off", "OFF")})
+
+
+def yaml_bool(value: Any) -> Any:
+    """``value``, or the boolean a YAML 1.1 word (``yes``, ``off``, ...) spells."""
+    return BOOL_WORDS.get(value, value) if isinstance(value, str) else value
+
 
 
 def yaml_key(f: dataclasses.Field) -> str:

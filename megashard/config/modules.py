@@ -138,7 +138,7 @@ class ModulesConfig:
             if not isinstance(section, Mapping):
                 raise ConfigError(f"{where}.parallel must be a mapping of ParallelConfig keys, got {section!r}")
             try:
-                parallel = ParallelConfig.from_dict(section, where=f"{where}.parallel")
+                parallel = ParallelConfig.from_dict(section, where=f"{where}.parallel", yaml_words=True)
             except ConfigError as e:
                 raise ConfigError(f"module '{name}': {e}") from None
             modules.append(ModuleConfig(name, first, count, parallel))

@@ -70,6 +70,9 @@ def _check_entry(where: str, name: str, entry: Any) -> dict[str, Any]:
             if not isinstance(value, str) or value.lower() not in NET_NAMES:
                 raise ConfigError(f"{where}: {name}.net_name={value!r} is not supported; valid: IB, socket")
         elif key == "is_high_priority_stream":
+            from megashard.config.keys import yaml_bool
+
+            value = yaml_bool(value)  # YAML 1.1's yes/no/on/off
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}: {name}.is_high_priority_stream={value!r} must be true or false")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -88,16 +91,12 @@ def parse_nccl_config(path: str | None, high_priority_stream_groups: Any = None)
     if path is not None:
         if not isinstance(path, str) or not path:
             raise ConfigError(f"nccl_communicator_config_path={path!r} must be the path of a YAML file, or null")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise ConfigError(f"nccl_communicator_config_path={path!r}: no such file")
         from megashard.config.yamlfile import parse_yaml
+        from megashard.readers import CONFIG, read_text
 
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"nccl_communicator_config_path={path!r}: cannot read it as YAML "
-                              f"({str(e).splitlines()[0]})") from None
+        text = read_text(path, "nccl_communicator_config_path", limit=CONFIG, hint="give a YAML file")
         doc = parse_yaml(text, f"nccl_communicator_config_path={path!r}")
         doc = {} if doc is None else doc
         if not isinstance(doc, Mapping):

@@ -143,12 +143,19 @@ class ParallelConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "parallel") -> "ParallelConfig":
-        """Build from a mapping, rejecting unknown keys with a "did you mean"."""
+    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "parallel",
+                  yaml_words: bool = False) -> "ParallelConfig":
+        """Build from a mapping, rejecting unknown keys with a "did you mean"; ``yaml_words``: the mapping was read
+        from YAML, so a true/false field takes YAML 1.1's yes/no/on/off (a Python caller's "no" is refused)."""
         from megashard.config.keys import reject_unknown_keys
+
+        from megashard.config.keys import yaml_bool
 
         data = dict(data or {})
         reject_unknown_keys(cls, data, where)
+        for name in ("create_gloo_process_groups", "hybrid_context_parallel") if yaml_words else ():
+            if name in data:
+                data[name] = yaml_bool(data[name])
         return cls(**data)  # validated by __post_init__
 
     @classmethod
@@ -158,7 +165,7 @@ class ParallelConfig:
         from megashard.config import yamlfile
 
         doc = yamlfile.apply_overrides(yamlfile.load_yaml(path), overrides)
-        return cls.from_dict(parallel_section(doc, path))
+        return cls.from_dict(parallel_section(doc, path), yaml_words=True)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -29,22 +29,53 @@ MAX_DEPTH = 50
 MAX_NODES = 100_000
 
 
-#: A plain scalar YAML 1.1 would read as a base-60 number (``1:2`` = 62, ``1:30.5`` = 90.5): megashard reads it as the
-#: text it is (an elastic node range ``launch.nnodes: 1:2``), never as a number nobody meant.
-_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?")
+# How a plain (unquoted) scalar is read: YAML 1.2's core schema, so that every value means what it looks like
+# (docs/config.md, "How values are read"). YAML 1.1 (PyYAML's default) reads 0100 as octal 64, 1:30 as 90 (base 60),
+# yes/no/on/off as booleans and 2024-01-02 as a date; here they are 100, the text "1:30", the text "yes" (a true/false
+# field takes yes/on/no/off, see megashard.config.keys.BOOL_WORDS) and the text "2024-01-02".
+_DIGITS = r"[0-9]+(?:_[0-9]+)*"  # digits, grouped by single underscores as in Python (1_000)
+_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
+#: decimal (leading zeros are decimal: 0100 = 100), 0x hex, 0o octal
+_INT = re.compile(rf"[-+]?{_DIGITS}|0x[0-9a-fA-F]+(?:_[0-9a-fA-F]+)*|0o[0-7]+(?:_[0-7]+)*")
+_FLOAT = re.compile(rf"[-+]?(?:\.{_DIGITS}|{_DIGITS}(?:\.(?:{_DIGITS})?)?)(?:[eE][-+]?[0-9]+)?"
+                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
+_NULL = re.compile(r"~|null|Null|NULL|")
+
+
+def _implicit_resolvers() -> dict:
+    """The implicit resolvers of the core schema above (first character -> [(tag, regexp)]), merge keys kept."""
+    table: dict = {}
+    for tag, rx, first in (("bool", _BOOL, "tTfF"), ("int", _INT, "-+0123456789"),
+                           ("float", _FLOAT, "-+0123456789."), ("null", _NULL, "~nN")):
+        for ch in first:
+            table.setdefault(ch, []).append(("tag:yaml.org,2002:" + tag, re.compile(rf"^(?:{rx.pattern})$")))
+    table[""] = [("tag:yaml.org,2002:null", re.compile(r"^$"))]
+    table["<"] = list(yaml.SafeLoader.yaml_implicit_resolvers["<"])
+    return table
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a mapping key given twice (plain YAML keeps the last one silently), nesting
     deeper than :data:`MAX_DEPTH` and documents of more than :data:`MAX_NODES` values with aliases expanded, and reads
-    YAML 1.1's base-60 numbers (``1:2``) as strings."""
+    plain scalars as YAML 1.2's core schema does (``0100`` = 100, ``1:2``, ``yes`` and ``2024-01-02`` are text)."""
 
     _depth = 0
+    yaml_implicit_resolvers = _implicit_resolvers()
 
-    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
-        if kind is yaml.ScalarNode and implicit[0] and isinstance(value, str) and _SEXAGESIMAL.fullmatch(value):
-            return "tag:yaml.org,2002:str"
-        return super().resolve(kind, value, implicit)
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = str(self.construct_scalar(node)).replace("_", "")
+        sign = -1 if text.startswith("-") else 1
+        body = text.lstrip("+-").lower()
+        try:
+            if body.startswith("0x"):
+                return sign * int(body[2:], 16)
+            if body.startswith("0o"):
+                return sign * int(body[2:], 8)
+            return sign * int(body, 10)  # leading zeros are decimal: 00000010 is 10 (a step_00000010 directory)
+        except ValueError as e:  # an explicit !!int of text, or more digits than Python converts (sys.int_info)
+            raise yaml.constructor.ConstructorError(None, None, f"{self.construct_scalar(node)[:40]!r} is not an "
+                                                    f"integer megashard can read ({str(e).split(':')[0]})",
+                                                    node.start_mark) from None
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         # Composition recurses once per level: stop far before Python's recursion limit.
@@ -84,6 +115,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     "keep one of them"
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
 
 
 def _check_expanded_size(root: yaml.Node, name: str) -> None:
@@ -174,11 +208,13 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is a directory; give {hint}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} is not a regular file (a device, pipe or socket); give a YAML file")
+    from megashard.readers import CONFIG, read_bytes
+
+    # opened without blocking and checked again on the open file (a FIFO swapped in), at most CONFIG bytes read
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+        raw = read_bytes(path, "config file", limit=CONFIG, hint="give a YAML file")
+    except ConfigError as e:  # worded as the checks above: "config file '<path>' is ..."
+        raise ConfigError(str(e).replace(f"config file {path}: ", f"config file {path!r} ", 1)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -46,13 +46,12 @@ def corpus_exists(prefix: str) -> bool:
 def read_meta(path: str) -> Optional[dict[str, Any]]:
     """The metadata of the corpus at ``path`` (a prefix or one of its files), or ``None`` if it has none."""
     meta_path = dataset_prefix(path) + META_SUFFIX
-    if not os.path.isfile(meta_path):
+    if not os.path.lexists(meta_path):
         return None
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{meta_path}: unreadable corpus metadata: {e}") from None
+    from megashard.readers import SMALL, read_json
+
+    meta = read_json(meta_path, "corpus metadata", limit=SMALL, error=DataError,
+                     hint="delete it and prepare the corpus again (megashard data prepare)")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = f"format={meta.get('format')!r}" if isinstance(meta, dict) else f"a JSON {type(meta).__name__}"
         raise DataError(f"{meta_path}: not megashard corpus metadata (needs a JSON object with format={FORMAT!r}, "
@@ -107,5 +106,9 @@ def open_tokens(path: str, flat_dtype: str = "uint16") -> TokenStream:
         return IndexedDataset(prefix)
     if os.path.isfile(path):
         return FlatTokens(path, check_token_dtype(flat_dtype, "data.flat_dtype"))
+    if os.path.lexists(path) and not os.path.isdir(path):  # a FIFO, socket or device: said, never opened
+        from megashard.readers import check_regular
+
+        check_regular(path, "data.path", error=DataError)
     raise DataError(f"{path}: no such dataset: neither {path}.bin + {path}.idx (an indexed dataset) nor a flat "
                     "token file")

@@ -173,9 +173,14 @@ def expand(inputs: Sequence[str]) -> Inputs:
 def not_text(path: str) -> Optional[str]:
     """Why ``path`` is no input for a corpus (``"is empty ..."``, ``"is binary ..."``, ``"cannot be read ..."``),
     or None."""
+    from megashard.readers import check_regular
+
     try:
+        check_regular(path, "input", error=DataError)  # opened without blocking: a FIFO in a directory is named
         with open(path, "rb") as f:
             head = f.read(8192)
+    except DataError as e:
+        return str(e).split(f"{path}: ", 1)[-1]
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     if not head:

@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 from megashard.data.corpus import FORMAT, META_SUFFIX, TOKENIZER_SUFFIX, write_json_atomic
 from megashard.data.indexed import IndexedDatasetBuilder
 from megashard.data.inputs import Decoder, check_encoding, expand, not_text
-from megashard.data.prepare_outputs import check_outside_inputs, check_prepare_outputs
+from megashard.data.prepare_outputs import check_outside_inputs, check_prepare_outputs, corpus_files
 from megashard.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
 from megashard.data.tokens import dtype_for_vocab, dtype_name
 from megashard.errors import DataError
@@ -328,7 +328,8 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
     notes: list[str] = []
     files = text_inputs(inputs, notes)
     tok_input = [tokenizer] if train_tokenizer is None and tokenizer != "byte" and os.path.exists(tokenizer) else []
-    check_prepare_outputs(out, files + tok_input, inputs=inputs)
+    check_prepare_outputs(out, files + tok_input, inputs=inputs,
+                          tokenizer_file=train_tokenizer is not None or tokenizer != "byte")
     tok = None if train_tokenizer is not None else load_tokenizer(tokenizer)
     t0 = time.perf_counter()
     # Everything is written into a directory of this call's own next to the output, renamed into place at the end.
@@ -403,6 +404,8 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", *, train_t
             "eod_id": tok.eod_id, "dtype": dtype, "documents": docs, "tokens": tokens, "input_bytes": nbytes,
             "text_key": text_key, "inputs": list(inputs), "encoding": encoding, "encoding_errors": encoding_errors,
             "replaced_bytes": replaced, "skipped_files": skipped,
+            # what this corpus is made of: a later prepare replaces these files and no other (prepare_outputs)
+            "files": corpus_files(out, [".bin", ".idx"] + ([TOKENIZER_SUFFIX] if tok.name != "byte" else [])),
         })
     finally:
         shutil.rmtree(work, ignore_errors=True)  # this call's own directory, nothing else

@@ -51,8 +51,12 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file."""
 
     def __init__(self, path: str) -> None:
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise DataError(f"{path}: tokenizer file does not exist")
+        from megashard.readers import LARGE, check_regular
+
+        # a regular file of sane size (a FIFO would block the library's read, a huge file fill memory)
+        check_regular(path, "tokenizer file", limit=LARGE, error=DataError, hint="give a tokenizer.json file")
         tk = require_tokenizers(f"the tokenizer {path}")
         try:
             self.tok = tk.Tokenizer.from_file(path)

@@ -79,6 +79,10 @@ class MappedFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.lexists(path):
+            from megashard.readers import check_regular
+
+            check_regular(path, "data file", error=DataError)  # a FIFO or device: named, never opened to read
         try:
             self._file = open(path, "rb")
         except FileNotFoundError:

@@ -108,6 +108,11 @@ def _check_arguments(state: Any, timeout: Any, out_dir: Any, interval: Any, stor
 def register(pg: Any, name: str, ranks: Any = None) -> None:
     """Watch the collectives on process group ``pg`` as ``name`` (every rank may call it; a no-op on ranks outside
     the group and when the doctor is off)."""
+    if not isinstance(name, str) or not name:
+        from megashard.errors import ConfigError
+
+        raise ConfigError(f"megashard.doctor.register(name={name!r:.60}): name must be a non-empty string (how the "
+                          "group is named in reports)")
     doctor = _CURRENT[0]
     if doctor is not None:
         doctor.register(pg, name, ranks)
@@ -117,6 +122,11 @@ def disable(reason: str = "exit") -> None:
     """Stop the doctor (writes its file, with ``reason`` ``exit``, ``failure``, or ``world_change``: this rank's world
     ends on purpose — an elastic re-formation in-process — so what its ranks found about the ranks it lost is a
     planned change, not a hang, in ``megashard doctor``); a no-op when it is off."""
+    if reason not in ("exit", "failure", "world_change"):
+        from megashard.errors import ConfigError
+
+        raise ConfigError(f"megashard.doctor.disable(reason={reason!r:.60}): reason must be 'exit', 'failure' or "
+                          "'world_change'")
     doctor, _CURRENT[0] = _CURRENT[0], None
     if doctor is not None:
         doctor.stop(reason)
@@ -129,6 +139,10 @@ def current() -> Optional[Doctor]:
 
 def set_step(step: int) -> None:
     """Tell the doctor the training step (shown next to every rank's last collective); free when it is off."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        from megashard.errors import ConfigError
+
+        raise ConfigError(f"megashard.doctor.set_step(step={step!r:.60}): step must be an integer >= 0")
     doctor = _CURRENT[0]
     if doctor is not None:
         doctor.ledger.set_step(step)

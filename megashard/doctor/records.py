@@ -13,13 +13,14 @@ named (file, key, expected type) and skipped.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from megashard.doctor.diagnose import diagnose, ranks_text
 from megashard.doctor.ledger import describe_call
+from megashard.errors import ConfigError
+from megashard.readers import SMALL, read_json
 
 __all__ = ["Attempt", "RunRecords", "attempt_dirs", "check_record", "read_attempts", "read_run_dir", "summarize",
            "format_table"]
@@ -148,10 +149,18 @@ def check_record(rec: Any) -> Optional[str]:
     return None
 
 
+def _check_path(function: str, path: object) -> str:
+    """``path`` as a str, or ConfigError naming ``function`` (a number or None is not a directory)."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{function}: path={path!r:.60} (type {type(path).__name__}) must be a directory path (str)")
+    return os.fspath(path)
+
+
 def attempt_dirs(path: str) -> list[tuple[str, str]]:
     """``(label, directory)`` of every world that may have left records under run directory ``path``: ``doctor/``
     (the first world of a job) and ``doctor/restart_<k>/`` (world k: after a torchrun restart, or an elastic job's
     new world), in order."""
+    path = _check_path("attempt_dirs", path)
     d = os.path.join(path, "doctor")
     if not os.path.isdir(d):
         return [("records", path)] if os.path.isdir(path) else []
@@ -164,6 +173,7 @@ def attempt_dirs(path: str) -> list[tuple[str, str]]:
 def read_run_dir(path: str) -> tuple[dict[int, dict], list[tuple[str, str]]]:
     """Every usable record in ``path`` (``path/doctor/`` if there is one): rank -> record, of any run; and
     ``(file, problem)`` of every file that is damaged or not a doctor record."""
+    path = _check_path("read_run_dir", path)
     d = os.path.join(path, "doctor")
     if not os.path.isdir(d):
         d = path
@@ -173,14 +183,10 @@ def read_run_dir(path: str) -> tuple[dict[int, dict], list[tuple[str, str]]]:
         if not (name.startswith("rank_") and name.endswith(".json")):
             continue
         path_ = os.path.join(d, name)
-        try:
-            with open(path_, encoding="utf-8") as f:
-                rec = json.load(f)
-        except OSError as e:
-            bad.append((path_, f"cannot be read: {e.strerror or e}"))
-            continue
-        except ValueError as e:
-            bad.append((path_, f"is not valid JSON ({e})"))
+        try:  # a FIFO, device or huge file in its place is named, never opened for reading (it would block)
+            rec = read_json(path_, "record", limit=SMALL)
+        except ConfigError as e:
+            bad.append((path_, str(e).split(f"{path_}: ", 1)[-1]))
             continue
         problem = check_record(rec)
         if problem is None and name[5:-5].isdigit() and int(name[5:-5]) != rec["rank"]:
@@ -231,6 +237,7 @@ def read_attempts(run_dir: str) -> RunRecords:
     agreed on a directory, e.g. by each node's own restart count, are grouped right too); the job is the newest
     record's, and every world of it is kept, each diagnosed alone: an earlier world's hang is never merged into the
     current world's table. Without a job id (a script started without a launcher) only the newest world is kept."""
+    run_dir = _check_path("read_attempts", run_dir)
     out = RunRecords()
     runs: dict[str, dict[int, dict]] = {}
     where: dict[str, tuple[str, str]] = {}
@@ -270,6 +277,9 @@ def summarize(records: Mapping[int, Mapping], followed: bool = False) -> dict[st
     so — or whose ranks ended it on purpose (reason ``world_change``) — ended in a planned way: its rows whose every
     named rank was lost (died, no heartbeat, ended) and its deaths are not hangs but the change (``world_end``);
     a row that names a live rank (waiting elsewhere, in its own code, mismatched) stays a hang."""
+    if not isinstance(records, Mapping):
+        raise ConfigError(f"summarize: records={records!r:.60} must be a mapping rank -> record (what read_run_dir "
+                          "returns first)")
     from megashard.doctor.endings import deaths, lost_ranks, planned_end
     from megashard.doctor.waitfor import find_cycle
 
@@ -335,6 +345,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
     """The table ``megashard doctor`` prints: group, operation, step, waiting ranks, and the ranks that never reached
     it with what they did instead; mismatched calls and deadlocks on lines of their own below it."""
     from megashard.doctor.diagnose import deadlock_text, mismatch_text
+
+    if not isinstance(summary, Mapping) or not isinstance(summary.get("rows"), list):
+        raise ConfigError(f"format_table: summary={summary!r:.60} must be what summarize() returns")
 
     from megashard.doctor.endings import world_end_lines
 

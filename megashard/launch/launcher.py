@@ -212,7 +212,7 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
 
 def _header(plan: LaunchPlan) -> str:
     """What the launch starts: processes, layout, steps, output; for an elastic job every node count of the range."""
-    from megashard.train.elastic import absorbing_axis, layout_text
+    from megashard.train.elastic import absorbing_axis, layout_text, shown_options
 
     job, s, la = plan.job, plan.sizes, plan.job.launch
     head = f"megashard run: {job.name}: "
@@ -223,11 +223,15 @@ def _header(plan: LaunchPlan) -> str:
     lines = [f"{head}elastic, {lo * la.nproc_per_node} to {hi * la.nproc_per_node} processes (launch.nnodes={lo}:{hi} "
              f"× {la.nproc_per_node}), parallel.{absorbing_axis(job)} absorbs the world size, {job.train.steps} steps "
              f"→ {job.out_dir}"]
-    for o in plan.options:
+    listed, rest = shown_options(plan.options)  # thousands of node counts: summarised, not a line each
+    for o in listed:
         where = f"  {o.nodes} node{'s' if o.nodes > 1 else ' '}, world {o.world_size}: "
         lines.append(where + (layout_text(job, o.sizes, per_rank=True) if o.sizes is not None else
                               f"refused ({o.refusal}); the job {la.unfillable_world}s there "
                               f"(launch.unfillable_world={la.unfillable_world})"))
+        if rest and o is listed[len(listed) - len(listed) // 3 - 1]:
+            lines.append("  " + rest.replace("(--format json lists every one)", "(megashard plan CONFIG --format json "
+                                              "lists every one)"))
     return "\n".join(lines)
 
 

@@ -98,8 +98,42 @@ def check_outputs(job: JobConfig, config: Optional[str] = None) -> None:
         raise ConfigError(f"train.out_dir={job.train.out_dir!r}: {resolved} exists and was not written by megashard run "
                           "(it has not the resolved config's first line); megashard never overwrites a file it did not "
                           "make: move it away or choose another train.out_dir")
+    for name, ours in (("config.yaml", None), ("metrics.jsonl", _metrics_of_ours), ("world.json", _world_of_ours)):
+        path = os.path.join(out, name)  # the files the run replaces: each a regular file megashard wrote, or none
+        if not os.path.lexists(path):
+            continue
+        why = ("is not a regular file (a FIFO, device, directory or link)" if os.path.islink(path)
+               or not os.path.isfile(path) else None if ours is None or ours(path) else "was not written by megashard")
+        if why:
+            raise ConfigError(f"train.out_dir={job.train.out_dir!r}: {path} {why}; megashard run would replace it, and "
+                              "megashard never overwrites a file it did not make: move it away or choose another "
+                              "train.out_dir")
     ckpt_field = "checkpoint.dir" if job.checkpoint.dir else "checkpoint.dir (default <train.out_dir>/checkpoints)"
     check_output_dir(job.checkpoint_dir, ckpt_field, "checkpoints", reads)
+
+
+def _first_json(path: str) -> object:
+    """The first line of ``path`` as JSON (None when empty or not JSON)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            line = f.readline(1 << 16)
+        return json.loads(line) if line.strip() else {}
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics_of_ours(path: str) -> bool:
+    """metrics.jsonl as MetricsWriter writes it: empty, or a JSON object with a step per line."""
+    first = _first_json(path)
+    return first == {} or (isinstance(first, dict) and bool({"step", "world_change", "stragglers"} & set(first)))
+
+
+def _world_of_ours(path: str) -> bool:
+    """world.json as the run writes it (megashard.train.world): a JSON object with its run_id and world_size."""
+    first = _first_json(path)
+    return isinstance(first, dict) and {"run_id", "world_size"} <= set(first)
 
 
 def physical_memory() -> int | None:

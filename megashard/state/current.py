@@ -40,6 +40,17 @@ def initialize(config: ParallelConfig | None = None, *, layout: RankLayout | Non
     rank_offset + layout.world_size - 1`` only, and only they call this (see :class:`ParallelState`).
     """
     global _CURRENT
+    from megashard.config.argcheck import check_arg
+
+    if config is not None and not isinstance(config, ParallelConfig):
+        raise ConfigError(f"initialize: config={config!r} (type {type(config).__name__}) must be a ParallelConfig "
+                          "(or give sizes: initialize(tp=2, pp=2))")
+    if layout is not None and not isinstance(layout, RankLayout):
+        raise ConfigError(f"initialize: layout={layout!r} (type {type(layout).__name__}) must be a RankLayout or None")
+    if agree_on is not None and not isinstance(agree_on, Mapping):
+        raise ConfigError(f"initialize: agree_on={agree_on!r} (type {type(agree_on).__name__}) must be a mapping of "
+                          "field names to values, or None")
+    check_arg("initialize", "rank_offset", rank_offset, "int>=0?")
     if config is None:
         config = ParallelConfig.from_dict(sizes)
     elif sizes:

@@ -68,7 +68,7 @@ class JobConfig:
         par = doc.get("parallel") or {}
         if not isinstance(par, Mapping):
             raise ConfigError(f"section 'parallel' must be a mapping of keys, got {type(par).__name__}")
-        kwargs: dict[str, Any] = {"parallel": ParallelConfig.from_dict(par), "name": name}
+        kwargs: dict[str, Any] = {"parallel": ParallelConfig.from_dict(par, yaml_words=True), "name": name}
         for sec, sec_cls in CONFIG_SECTIONS:
             kwargs[sec] = section_from_dict(sec_cls, doc.get(sec), sec)
         return cls(**kwargs)
@@ -199,8 +199,11 @@ class JobConfig:
         if self.data.source == "text":
             import os
 
-            _need(self.data.path is not None and os.path.isfile(self.data.path),
-                  f"data.source=text needs data.path to be an existing file, got {self.data.path!r}")
+            p = self.data.path
+            _need(p is not None and os.path.isfile(p),
+                  f"data.source=text needs data.path to be an existing file, got {p!r}"
+                  + (" (it exists but is not a regular file: a FIFO, device or directory)"
+                     if p is not None and os.path.lexists(p) else ""))
         if not data:
             pass
         elif self.data.source == "indexed":

@@ -201,7 +201,7 @@ def check_prepare(data: DataConfig, model: ModelConfig, tp: int = 1) -> None:
                           f"{d.prepare_tokenizer} ({tok.vocab_size} ids): use model.vocab_size={_pad(tok.vocab_size, tp)}"
                           f" (a multiple of tp={tp})")
     check_prepare_outputs(d.path, files + ([d.prepare_tokenizer] if d.prepare_tokenizer != "byte" else []),
-                          option="data.path=", inputs=d.prepare_inputs)
+                          option="data.path=", inputs=d.prepare_inputs, tokenizer_file=d.prepare_tokenizer != "byte")
 
 
 #: Datasets without a recorded vocabulary (flat token files, corpora without metadata) up to this size are scanned

@@ -14,6 +14,7 @@ Pure arithmetic over :meth:`JobConfig.validate <megashard.train.config.JobConfig
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 JobConfig = Any
 
 __all__ = ["WorldOption", "world_options", "validate_range", "absorbing_axis", "layout_text", "valid_sizes_text",
-           "unfillable_line", "FIXED_AXES"]
+           "unfillable_line", "FIXED_AXES", "refusals_text", "shown_options", "MAX_LISTED"]
 
 #: Axes an elastic job keeps for every world size: they shape the model's shards and the pipeline.
 FIXED_AXES = ("tp", "cp", "pp", "ep", "expt_tp")
@@ -70,6 +71,10 @@ def world_options(job: JobConfig) -> list[WorldOption]:
     """Every node count of ``launch.nnodes`` with its layout or its refusal (the data files are checked once, by
     :func:`validate_range`, not per world size)."""
     lo, hi = job.launch.node_range
+    if hi - lo + 1 > MAX_NODE_COUNTS:  # each is a layout resolved: millions would take hours
+        raise ConfigError(f"launch.nnodes={job.launch.nnodes} spans {hi - lo + 1:,} node counts; an elastic range may "
+                          f"span at most {MAX_NODE_COUNTS:,} (MAX - MIN < {MAX_NODE_COUNTS:,}): narrow it to the node "
+                          "counts the job may really run on")
     out = []
     for n in range(lo, hi + 1):
         w = n * job.launch.nproc_per_node
@@ -80,10 +85,64 @@ def world_options(job: JobConfig) -> list[WorldOption]:
     return out
 
 
+def _listed(options: list[WorldOption]) -> str:
+    sizes = [str(o.world_size) for o in options]
+    return ", ".join(sizes) if len(sizes) <= 12 else ", ".join(sizes[:6]) + ", …, " + ", ".join(sizes[-3:])
+
+
 def valid_sizes_text(options: list[WorldOption]) -> str:
     """``"4 (2 nodes), 8 (4 nodes)"``: the world sizes of ``options`` that run."""
     ok = [o for o in options if o.sizes is not None]
-    return ", ".join(f"{o.world_size} ({o.nodes} node{'s' if o.nodes > 1 else ''})" for o in ok) or "none"
+    text = ", ".join(f"{o.world_size} ({o.nodes} node{'s' if o.nodes > 1 else ''})" for o in ok[:24]) or "none"
+    return text + (f" and {len(ok) - 24} more" if len(ok) > 24 else "")
+
+
+#: Most node counts an elastic range may span (each is a layout checked; 65,536 take seconds).
+MAX_NODE_COUNTS = 1 << 16
+#: Node counts an elastic plan or dry run lists one line each; a longer range is summarised (:func:`shown_options`).
+MAX_LISTED = 40
+
+
+def _rule(text: str) -> str:
+    """A refusal with its numbers blanked: two worlds refused by the same rule (at other sizes) compare equal."""
+    return re.sub(r"\d+", "#", text.split("; valid")[0])
+
+
+def refusals_text(options: list[WorldOption], limit: int = 3) -> str:
+    """``"at world size 6: <why>; at world sizes 2, 4: <why>"``: every distinct reason the refused worlds of
+    ``options`` have (the largest world's first, then in order), so that each setting that blocks a world is named."""
+    groups: dict[str, list[WorldOption]] = {}
+    for o in options:
+        if o.refusal is not None:
+            groups.setdefault(_rule(o.refusal), []).append(o)
+    if not groups:
+        return ""
+    ordered = sorted(groups.values(), key=lambda g: g[-1] is not options[-1])  # the largest world's reason first
+    parts = []
+    for g in ordered[:limit]:
+        others = [str(o.world_size) for o in g[:-1]]
+        alike = ("" if not others else f" (alike at world size{'s' if len(others) > 1 else ''} "
+                 + ", ".join(others[:6]) + (f" and {len(others) - 6:,} more" if len(others) > 6 else "") + ")")
+        parts.append(f"at world size {g[-1].world_size}: {g[-1].refusal}{alike}")
+    more = len(ordered) - limit
+    return "; ".join(parts) + (f"; and {more} other reason{'s' if more > 1 else ''} (megashard plan lists them)"
+                               if more > 0 else "")
+
+
+def shown_options(options: list[WorldOption], limit: int = MAX_LISTED) -> tuple[list[WorldOption], str]:
+    """The node counts to list one line each, and a summary line of the rest ("" when every one is listed): a range
+    of thousands of node counts is not printed line by line."""
+    if len(options) <= limit:
+        return options, ""
+    head, tail = options[: limit // 2], options[-(limit // 4):]
+    middle = options[limit // 2: -(limit // 4)]
+    run = [o for o in middle if o.sizes is not None]
+    runs = (f"{len(run)} run (world sizes {', '.join(str(o.world_size) for o in run[:12])}"
+            f"{', …' if len(run) > 12 else ''})" if run else "none runs")
+    refused = [o for o in middle if o.sizes is None]
+    why = f"; {len(refused)} refused, {refusals_text(refused, limit=2)}" if refused else ""
+    return head + tail, (f"… {len(middle):,} more node counts ({middle[0].nodes}..{middle[-1].nodes}) not listed: "
+                         f"{runs}{why} (--format json lists every one)")
 
 
 def validate_range(job: JobConfig, *, data: bool = True) -> "ResolvedSizes":
@@ -92,12 +151,10 @@ def validate_range(job: JobConfig, *, data: bool = True) -> "ResolvedSizes":
     absorbing_axis(job)
     options = world_options(job)
     ok = [o for o in options if o.sizes is not None]
-    if not ok:
-        last = options[-1]  # the largest world: the sizes the config was most likely written for
+    if not ok:  # every reason named, the largest world's first (the sizes the config was most likely written for)
         raise ConfigError(
             f"launch.nnodes={job.launch.nnodes} × launch.nproc_per_node={job.launch.nproc_per_node}: no world size in "
-            f"range can run this job ({', '.join(str(o.world_size) for o in options)}); at world size "
-            f"{last.world_size}: {last.refusal}")
+            f"range can run this job ({_listed(options)}); {refusals_text(options)}")
     if data:
         job.validate(ok[-1].world_size, data=True)  # the data files and samples: the same for every layout
     return ok[-1].sizes  # type: ignore[return-value]

@@ -7,7 +7,6 @@ can run the check without importing the export (which imports the job config).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -31,12 +30,10 @@ def _safetensors(what: str) -> Any:
 def _weight_map(root: str) -> dict[str, str]:
     """Hugging Face tensor name -> safetensors file (absolute) of a model directory."""
     index = os.path.join(root, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.init_from: {index} is not valid JSON ({e})") from None
+    if os.path.lexists(index):
+        from megashard.readers import LARGE, read_json
+
+        doc = read_json(index, "model.init_from:", limit=LARGE)  # a FIFO or device is named, never opened to read
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(doc, dict) or "weight_map" not in doc:
             raise ConfigError(f"model.init_from: {index} has no weight_map (a mapping of tensor name to safetensors "
@@ -90,13 +87,11 @@ def check_init_from(model: ModelConfig, ffn_hidden: int) -> None:
         raise ConfigError(f"model.init_from={root!r} is not a directory: give a Hugging Face model directory "
                           "(config.json + *.safetensors)")
     cfg_path = os.path.join(root, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"model.init_from={root!r} has no config.json: give a Hugging Face model directory") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.init_from: {cfg_path} is not valid JSON ({e})") from None
+    if not os.path.lexists(cfg_path):
+        raise ConfigError(f"model.init_from={root!r} has no config.json: give a Hugging Face model directory")
+    from megashard.readers import SMALL, read_json
+
+    doc = read_json(cfg_path, "model.init_from:", limit=SMALL)  # a FIFO or device is named, never opened to read
     check_hf_config(doc, m, ffn_hidden, cfg_path)
     wm = _weight_map(root)
     shapes = hf_shapes(mapping(m, ffn_hidden))

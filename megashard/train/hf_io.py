@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megashard.errors import CheckpointError, ConfigError
-from megashard.outputs import claim_dir, new_file_mode
+from megashard.outputs import MARKER, claim_dir, new_file_mode, record_files
 from megashard.models.hf import HF_ARCH, hf_config, hf_shapes, mapping, read_rows, to_hf
 from megashard.train.hf_dir import (  # noqa: F401 - check_init_from re-exported (its old home)
     INDEX,
@@ -115,6 +115,8 @@ def export_hf(path: str, out: str, *, config_path: Optional[str] = None, max_sha
         _write_json(os.path.join(tmp, "config.json"), hf_config(job.model, job.ffn_hidden, dtype))
         # No max_length: generate(max_new_tokens=...) would warn that both are set (config.json holds the context).
         _write_json(os.path.join(tmp, "generation_config.json"), {"do_sample": False})
+        # the marker lists every file written: a later --force deletes those and refuses when anything else is there
+        record_files(tmp, [n for n in os.listdir(tmp) if n != MARKER])
         if os.path.exists(out):
             check_output_dir("OUT", out, reads=[ckpt, path], kind="hf-export", replace=True)  # still ours, just before
             _replace_dir(out, tmp)

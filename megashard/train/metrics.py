@@ -51,6 +51,13 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     """Every record of a metrics file ([] if it does not exist; a torn last line is skipped)."""
     if not os.path.isfile(path):
         return []
+    from megashard.errors import MegashardError
+    from megashard.readers import check_regular
+
+    try:
+        check_regular(path, "metrics file")  # not a FIFO (it would block): isfile above follows no race
+    except MegashardError:
+        return []
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -89,6 +96,9 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     records = list(records)
     if not records:
         return "loss plot skipped: no metrics recorded"
+    if os.path.lexists(path) and not _plot_of_ours(path):  # a picture of the user's in the run directory: kept
+        return (f"loss plot skipped: {path} exists and is not a plot megashard drew (megashard never overwrites a "
+                "file it did not make; move it away to get the plot)")
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="training")
     valid = [r for r in records if "valid_loss" in r]
@@ -108,7 +118,7 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Software": _PLOT_SIGNATURE})  # a PNG text chunk: how the next run knows it
     plt.close(fig)
     return None
 
@@ -158,6 +168,25 @@ def usage_lines(usage: dict[str, Any]) -> list[str]:
                      f"(rank {d})")
         out.append(line)
     return out
+
+
+#: The PNG "Software" text of the loss plot megashard draws (older plots: matplotlib's own, also accepted).
+_PLOT_SIGNATURE = "megashard loss plot"
+
+
+def _plot_of_ours(path: str) -> bool:
+    """``path`` is a loss plot megashard drew: a regular PNG whose head carries megashard's signature (or, drawn by a
+    megashard before signatures, matplotlib's)."""
+    from megashard.errors import MegashardError
+    from megashard.readers import check_regular
+
+    try:
+        check_regular(path, "loss plot")
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except (OSError, MegashardError):
+        return False
+    return head.startswith(b"\x89PNG") and (_PLOT_SIGNATURE.encode() in head or b"matplotlib" in head)
 
 
 def print_summary(job: JobConfig, result: TrainResult, records: list[dict[str, Any]]) -> None:

@@ -7,12 +7,13 @@ each value's type; :class:`~megashard.train.config.JobConfig` holds the sections
 """
 from __future__ import annotations
 
+import math
 import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
-from megashard.config.keys import reject_unknown_keys, yaml_keys
+from megashard.config.keys import reject_unknown_keys, yaml_bool, yaml_keys
 from megashard.errors import ConfigError
 from megashard.models.config import ARCHS, COMPILE_BACKENDS, ModelConfig, default_ffn_hidden  # noqa: F401 - the model section lives with the models
 
@@ -357,32 +358,38 @@ def _check_type(cls: type, section: str, name: str, value: Any, key: Optional[st
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{where}=null is not allowed; give a {getattr(base, '__name__', 'value')}")
+        raise ConfigError(f"{where}=null is not allowed; give {_KIND.get(base, 'a value')}")
     if set(typing.get_args(base)) == {int, str}:  # e.g. launch.nnodes: 2 or "1:4"; the field's parser checks the text
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ConfigError(f"{where}={_short(value)} must be an integer or a string (e.g. "
                               f"{_UNION_EXAMPLES.get(name, '2')})")
         return value
     if base is bool:
+        value = yaml_bool(value)  # yes/no/on/off: YAML 1.1's spellings (docs/config.md)
         if not isinstance(value, bool):
             raise ConfigError(f"{where}={_short(value)} must be true or false")
         return value
     if base is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}={_short(value)} must be an integer")
+            raise ConfigError(f"{where}={_short(value)} must be an integer{_as_text(value)}")
         return value
     if base is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, str):  # a number written as text ("1e-3" in quotes)
             try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{where}={_short(value)} must be a number") from None
+                value = float(value.strip()) if re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", value) \
+                    else value
+            except ValueError:  # pragma: no cover - the pattern is a float's
+                pass
+            if isinstance(value, str):
+                raise ConfigError(f"{where}={_short(value)} must be a number")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}={_short(value)} must be a number")
+            raise ConfigError(f"{where}={_short(value)} must be a number{_as_text(value)}")
+        if not math.isfinite(value):  # .inf, .nan: no field of a job means them
+            raise ConfigError(f"{where}={_short(value)} must be a finite number")
         return float(value)
     if base is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}={_short(value)} must be a string")
+            raise ConfigError(f"{where}={_short(value)} must be a string{_as_text(value, True)}")
         return value
     if base is list or typing.get_origin(base) is list:
         item = (typing.get_args(base) or (None,))[0]
@@ -392,6 +399,18 @@ def _check_type(cls: type, section: str, name: str, value: Any, key: Optional[st
                               f"{where}=[a,b]){', or null' if optional else ''}")
         return value
     return value  # pragma: no cover - no other field types
+
+
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+
+
+def _as_text(value: Any, text_field: bool = False) -> str:
+    """What an error adds when YAML read a value as another type than the field's (true/false, a number)."""
+    if isinstance(value, bool):
+        return " (YAML read true/false here" + ("; quote it to keep it as text)" if text_field else ")")
+    if text_field and isinstance(value, (int, float)):
+        return " (YAML read a number here; quote it to keep it as written)"
+    return ""
 
 
 def _short(value: Any, limit: int = 80) -> str:

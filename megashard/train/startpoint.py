@@ -25,7 +25,6 @@ started without the launcher gets the same one-line error.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -60,10 +59,12 @@ def read_record(ckpt: str) -> Optional[dict]:
     """The layout file (``megashard.json``) of checkpoint ``ckpt``, or None when it is missing or unreadable."""
     from megashard.checkpoint.safety import LAYOUT_FILE
 
+    from megashard.errors import MegashardError
+    from megashard.readers import SMALL, read_json
+
     try:
-        with open(os.path.join(ckpt, LAYOUT_FILE), encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError):
+        info = read_json(os.path.join(ckpt, LAYOUT_FILE), "layout file", limit=SMALL)
+    except MegashardError:
         return None
     return info if isinstance(info, dict) else None
 

@@ -159,10 +159,12 @@ class World:
     def previous(cls, job: "JobConfig") -> Optional[dict]:
         """The record of the previous start of this same job (same job id, not ended), or None (rank 0)."""
         path = os.path.join(job.out_dir, WORLD_FILE)
+        from megashard.errors import MegashardError
+        from megashard.readers import SMALL, read_json
+
         try:
-            with open(path, encoding="utf-8") as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
+            rec = read_json(path, "world record", limit=SMALL)
+        except MegashardError:
             return None
         jid = cls.job_id()
         if not isinstance(rec, dict) or rec.get("ended") or jid is None or rec.get("job_id") != jid:
