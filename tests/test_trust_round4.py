@@ -352,7 +352,7 @@ def test_the_advisors_and_doctors_functions_check_their_arguments(tmp_path):
         (lambda: doctor.format_table({}), "format_table: summary={} must be what summarize() returns"),
         (lambda: doctor.set_step("3"), "set_step(step='3'): step must be an integer >= 0"),
         (lambda: doctor.register(None, 5), "register(name=5): name must be a non-empty string"),
-        (lambda: doctor.disable(None), "disable(reason=None): reason must be 'exit' or 'failure'"),
+        (lambda: doctor.disable(None), "disable(reason=None): reason must be 'exit', 'failure' or 'world_change'"),
     ]
     result = suggest(job, 4, "80GiB")
     cases += [(lambda: format_suggestion(result, "3"), "top='3'"), (lambda: suggestion_dict(result, 0), "top=0")]
@@ -416,7 +416,8 @@ def _calibration(path, **change) -> str:
 def test_a_calibration_file_is_named_damaged_or_unused(tmp_path, capsys):
     """Before: world_size "4" got "measured for 4 ranks, not --world-size 4"; a file matching no layout was
     silently unused."""
-    suggest_cmd = ["plan", DEFAULT, "--suggest", "--world-size", "4", "--device-memory", "80GiB", "--calibration"]
+    suggest_cmd = ["plan", DEFAULT, "--suggest", "--world-size", "4", "--device-memory", "80GiB", "--trace", "0",
+                   "--calibration"]
     line = _one_line(capsys, main(suggest_cmd + [_calibration(tmp_path / "a.json", world_size="4")]))
     assert "its world_size is '4' (str), not a positive integer: the file is damaged" in line
     assert main(suggest_cmd + [_calibration(tmp_path / "b.json")]) == 0

@@ -182,6 +182,13 @@ def cmd_suggest(args: argparse.Namespace) -> int:
                                                            hw_flags)
     args.world_size, args.ranks_per_node = world, ranks_per_node
     _check_calibration_file(args)
+    check_count("--trace", args.trace, 0, 64, note=" (layouts to trace)")
+    timings_read = None
+    if args.calibrate is None and args.calibration is not None:  # read (and refused) before anything is traced
+        from megashard.advisor.calibrate import load_calibration
+        from megashard.advisor.shape import JobShape
+
+        timings_read = load_calibration(args.calibration, JobShape.from_job(job), args.world_size)
     shape = None
     if args.moe_imbalance is not None:
         import dataclasses
@@ -195,7 +202,6 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         shape = dataclasses.replace(JobShape.from_job(job), moe_imbalance=args.moe_imbalance)
     result = suggest(job, world, memory, ranks_per_node, hw, shape=shape)
     result.notes = notes
-    check_count("--trace", args.trace, 0, 64, note=" (layouts to trace)")
     if args.trace and not args.no_trace and result.ranked:
         from megashard.advisor.trace import certify
 
@@ -210,7 +216,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
         drop_refused(result, job, args.top, log=lambda line: print(f"megashard plan: {line}", file=sys.stderr))
     if args.calibrate is not None or args.calibration is not None:
-        _calibrate(args, doc, job, result, source)
+        _calibrate(args, doc, job, result, source, timings_read)
     if args.format == "json":
         import json
 
@@ -277,15 +283,16 @@ def _check_calibration_file(args: argparse.Namespace) -> None:
             check_output_file("--calibration", args.calibration, example="calibration.json")
 
 
-def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source: str) -> None:
-    """Time the top layouts (``--calibrate``) or read their times (``--calibration FILE``) and rank by them."""
-    from megashard.advisor.calibrate import (apply_timings, load_calibration, pick_layouts, save_calibration,
-                                             time_layouts)
+def _calibrate(args: argparse.Namespace, doc: Any, job: Any, result: Any, source: str,
+               timings_read: Optional[list] = None) -> None:
+    """Time the top layouts (``--calibrate``) or rank by the times read from ``--calibration FILE`` (``timings_read``,
+    read before tracing so a bad file is refused first)."""
+    from megashard.advisor.calibrate import apply_timings, pick_layouts, save_calibration, time_layouts
     from megashard.advisor.shape import JobShape
 
     shape = JobShape.from_job(job)
     if args.calibrate is None:
-        timings = load_calibration(args.calibration, shape, args.world_size)
+        timings = timings_read
         if timings and not apply_timings(result, timings):  # a file that matches no layout: said, not ignored
             print(f"megashard plan: note: --calibration {args.calibration}: none of its {len(timings)} timed layout(s) "
                   "is among this job's layouts, so it is unused and the ranking is the estimate's; calibrate this "

@@ -146,6 +146,7 @@ def _train_run(job: JobConfig, state: Any, model: Any, optimizer: Any, sizes: An
                        dp_size=sizes.dp, cp_rank=state.rank_in("cp"), cp_size=sizes.cp,
                        device=current_device(state.device_type))
     run.writer = None
+    run.peak, run.flops_per_token = None, 0.0  # no MFU in a rehearsal
     run.bar = ProgressBar(job.train.steps, 0, enabled=False)
     run.params = list(model.parameters())
     run.pipe = None
