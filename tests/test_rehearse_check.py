@@ -62,6 +62,9 @@ INJECTED = {
     "wrong_grid": ("wrong_grid", ["ranks 0, 1, 2, 3, 4, 5, 6, 7: all_reduce float32[16] on dp [0, 2, 4, 6]",
                                   "a group of layout tp2·dp_shard4 on ranks 0-7 while layout tp2·pp2·dp_shard2 on ranks "
                                   "0-7 is current ({GRAD})"]),
+    "pg_collection": ("wrong_grid", ["ranks 0, 1, 2, 3, 4, 5, 6, 7: all_reduce float32[16] on dp [0, 2, 4, 6]",
+                                     "a group of grid tp2·dp4 on ranks 0-7 while layout tp2·pp2·dp_shard2 on ranks "
+                                     "0-7 is current ({GRAD})"]),
 }
 
 
