@@ -152,7 +152,7 @@ def test_words_are_the_doctors_and_data_dependent_shapes_are_not_compared():
     # without the mismatch: OK, the data-dependent calls named as not checkable
     traces = {r: _trace(r, 4, [a2a[r], ar], groups) for r in range(4)}
     text = check_traces(traces).text()
-    assert text.startswith("OK: 4 ranks, 1 groups, 8 calls") and "4 with shapes that depend on data, not checkable " \
+    assert text.startswith("OK: 4 ranks, 1 group, 8 calls") and "4 with shapes that depend on data, not checkable " \
         "(all_to_all_single): their order and group checked" in text
 
 
