@@ -69,7 +69,7 @@ PRE_LAUNCH_TIMEOUT = 3.0
 #: torchrun options per mode. ``kill``: torchrun stops every other worker at its next check after one dies (every
 #: 0.1 s by default), before rank 0 even joins (0.5 s later); with 3 s between checks the survivor gets to the call,
 #: as the ranks on other nodes of a multi-node job do while the rendezvous notices.
-TORCHRUN_ARGS = {"kill": ["--monitor-interval=3"]}
+TORCHRUN_ARGS = {"kill": ["--monitor-interval=3"], "pre:shape": ["--monitor-interval=3"]}  # pre:shape: gloo aborts both
 
 
 def run_mode(mode: str, t: float) -> dict:
