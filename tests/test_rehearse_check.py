@@ -196,3 +196,29 @@ def test_check_usage_errors_are_one_line(argv, needle):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("megashard check: error:"), p.stderr
+
+
+def test_broadcast_objects_reach_every_rank(tmp_path):
+    """A script that broadcasts its settings from rank 0 (``broadcast_object_list``) and sizes a tensor by them: the
+    other ranks get rank 0's objects in the rehearsal too (through the mailbox), so their shapes are rank 0's."""
+    import torch.distributed as dist
+
+    from megashard.rehearse import Broker
+    from megashard.rehearse.compare import check_traces
+    from megashard.rehearse.script import ScriptRank
+
+    script = tmp_path / "bcast.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, megashard\n"
+        "from megashard.config import ParallelConfig\n"
+        "state = megashard.initialize(ParallelConfig(tp=2, backend='gloo', device='cpu'))\n"
+        "cfg = [{'hidden': 24} if dist.get_rank() == 0 else None]\n"
+        "dist.broadcast_object_list(cfg, src=0)\n"
+        "t = torch.ones(cfg[0]['hidden'])\n"
+        "dist.all_reduce(t, group=state.group('dp'))\n", encoding="utf-8")
+    assert not dist.is_initialized()
+    traces = Broker(ScriptRank(str(script), [], 4, log_dir=None), 4, jobs=2).run()
+    result = check_traces(traces)
+    assert result.ok, result.text()
+    assert [[c.sig for c in t.calls if c.op == "all_reduce" and c.group != "world"] for t in traces.values()] == \
+        [["float32[24]"]] * 4

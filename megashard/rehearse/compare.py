@@ -145,6 +145,8 @@ class _Index:
             return f"it failed: {t.error}"
         if t.status == "blocked" and t.blocked is not None:
             src, k, _ = t.blocked
+            if src >= 0 and not k:
+                return f"it waits for rank {src}'s broadcast_object_list"
             return f"it waits for receive #{k} from rank {src}" if src >= 0 else t.blocked[2]
         return "its step ended"
 
