@@ -137,6 +137,8 @@ def main() -> int:
     ap.add_argument("--big", type=int, default=1024, help="ranks of the default job's big check (0: skip)")
     ap.add_argument("--skip-sweep", action="store_true", help="only the timing rows (world 64, --big)")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true", help="no timing rows (world 64, --big) and no baseline")
+    ap.add_argument("--out", default=RESULTS, help=f"the JSON file (default {os.path.relpath(RESULTS, ROOT)})")
     args = ap.parse_args()
     rows = []
     out = {"machine": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "load_before": _load(), "rows": rows}
@@ -162,24 +164,27 @@ def main() -> int:
     if not args.skip_parity:
         for name, (config, w, overrides) in PARITY.items():
             row("parity", name, w, _job(config, overrides), " ".join(overrides)[:60])
-    job64 = _job("default", ["train.global_batch=64"])  # dp=32: two sequences per rank
-    row("time", "default", 64, job64, "tp=2 dp_shard=32 global_batch=64")
-    base = baseline_rank_s(job64, 64)
-    out["baseline_rank_s"] = round(base, 3)
-    out["time64_vs_baseline"] = round(rows[-1]["seconds"] / (64 * base), 2)
-    if args.big:
-        row("time", "default", args.big, _job("default", [f"train.global_batch={args.big}"]),
-            f"tp=2 dp_shard={args.big // 2} global_batch={args.big}")
-        out["big_vs_baseline"] = round(rows[-1]["seconds"] / (args.big * base), 2)
+    base = None
+    if not args.skip_timing:
+        job64 = _job("default", ["train.global_batch=64"])  # dp=32: two sequences per rank
+        row("time", "default", 64, job64, "tp=2 dp_shard=32 global_batch=64")
+        base = baseline_rank_s(job64, 64)
+        out["baseline_rank_s"] = round(base, 3)
+        out["time64_vs_baseline"] = round(rows[-1]["seconds"] / (64 * base), 2)
+        if args.big:
+            row("time", "default", args.big, _job("default", [f"train.global_batch={args.big}"]),
+                f"tp=2 dp_shard={args.big // 2} global_batch={args.big}")
+            out["big_vs_baseline"] = round(rows[-1]["seconds"] / (args.big * base), 2)
     out["false_positives"] = sum(1 for r in rows if not r["ok"])
     out["load_after"] = _load()
-    print(f"\nfalse positives: {out['false_positives']} of {len(rows)} checks; plain PyTorch, one rank on the fake "
-          f"backend: {base:.2f} s; world 64: {out['time64_vs_baseline']}x the ranks' plain time one after another"
-          + (f"; world {args.big}: {out['big_vs_baseline']}x" if args.big else "") + f" (load {_load()})")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as f:
+    timing = "" if base is None else (
+        f"; plain PyTorch, one rank on the fake backend: {base:.2f} s; world 64: {out['time64_vs_baseline']}x the "
+        "ranks' plain time one after another" + (f"; world {args.big}: {out['big_vs_baseline']}x" if args.big else ""))
+    print(f"\nfalse positives: {out['false_positives']} of {len(rows)} checks{timing} (load {_load()})")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {os.path.relpath(RESULTS)}")
+    print(f"wrote {os.path.relpath(args.out)}")
     return 0 if out["false_positives"] == 0 else 1
 
 

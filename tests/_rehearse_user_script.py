@@ -12,7 +12,8 @@ sent stage to stage per microbatch), tp all-reduces, a gradient all-reduce over 
 MODE injects one bug (``ok`` none): ``skip`` (rank 3 skips its dp all-reduce), ``swap`` (rank 1 enters the world
 all-reduce before its tp all-reduce), ``microbatch`` (pipeline stage 1 of the first pipeline receives one microbatch
 more than stage 0 sends), ``wrong_grid`` (the gradient all-reduced on the dp group of
-another layout: tp=2 without pp, whose dp groups span the stages), ``shape``
+another layout: tp=2 without pp, whose dp groups span the stages), ``pg_collection`` (the same with the dp group of
+a Megatron ``HyperCommGrid`` of that shape), ``shape``
 (rank 2's gradient has one element more), ``send`` (rank 0 sends its stage's output once more than anyone receives).
 """
 import sys
@@ -65,6 +66,11 @@ def main():
         from megashard.state import ParallelState
 
         other = ParallelState(ParallelConfig(tp=2, backend="gloo", device="cpu", timeout=30))  # dp: 4 ranks
+    grid_dp = None
+    if MODE == "pg_collection":  # Megatron's way: a pg_collection's dp group from a HyperCommGrid of another shape
+        from megashard.state import HyperCommGrid
+
+        grid_dp = HyperCommGrid([2, 4], ["tp", "dp"]).create_pg("dp")
     if RUN_DIR is not None:
         megashard.doctor.enable(state, timeout=float(sys.argv[3]), out_dir=RUN_DIR)
     rank = dist.get_rank()
@@ -79,7 +85,7 @@ def main():
         dist.all_reduce(h, group=state.group("tp"))
         grad = torch.ones(16 + (1 if MODE == "shape" and rank == 2 else 0))
         if not (MODE == "skip" and rank == 3):
-            dp = (other if other is not None else state).group("dp")
+            dp = grid_dp if grid_dp is not None else (other if other is not None else state).group("dp")
             hang_mark("dp", step)
             dist.all_reduce(grad, group=dp)
         if not (MODE == "swap" and rank == 1):

@@ -230,7 +230,8 @@ def scratch(tmp_path_factory):
     from tests._dist import spawn_checks
 
     d = tmp_path_factory.mktemp("examples")
-    for name in ("configs", "README.md", "docs"):  # what the examples read (data prepare tokenizes README.md docs/)
+    for name in ("configs", "README.md", "docs", "examples"):  # what the examples read (data prepare tokenizes
+        # README.md docs/; megashard check rehearses examples/own_script.py)
         os.symlink(os.path.join(ROOT, name), d / name)
     os.environ[CKPT_ENV] = str(d / "out" / "ckpt")
     try:

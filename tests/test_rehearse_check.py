@@ -62,6 +62,9 @@ INJECTED = {
     "wrong_grid": ("wrong_grid", ["ranks 0, 1, 2, 3, 4, 5, 6, 7: all_reduce float32[16] on dp [0, 2, 4, 6]",
                                   "a group of layout tp2·dp_shard4 on ranks 0-7 while layout tp2·pp2·dp_shard2 on ranks "
                                   "0-7 is current ({GRAD})"]),
+    "pg_collection": ("wrong_grid", ["ranks 0, 1, 2, 3, 4, 5, 6, 7: all_reduce float32[16] on dp [0, 2, 4, 6]",
+                                     "a group of grid tp2·dp4 on ranks 0-7 while layout tp2·pp2·dp_shard2 on ranks "
+                                     "0-7 is current ({GRAD})"]),
 }
 
 
@@ -149,7 +152,7 @@ def test_words_are_the_doctors_and_data_dependent_shapes_are_not_compared():
     # without the mismatch: OK, the data-dependent calls named as not checkable
     traces = {r: _trace(r, 4, [a2a[r], ar], groups) for r in range(4)}
     text = check_traces(traces).text()
-    assert text.startswith("OK: 4 ranks, 1 groups, 8 calls") and "4 with shapes that depend on data, not checkable " \
+    assert text.startswith("OK: 4 ranks, 1 group, 8 calls") and "4 with shapes that depend on data, not checkable " \
         "(all_to_all_single): their order and group checked" in text
 
 
@@ -193,3 +196,29 @@ def test_check_usage_errors_are_one_line(argv, needle):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("megashard check: error:"), p.stderr
+
+
+def test_broadcast_objects_reach_every_rank(tmp_path):
+    """A script that broadcasts its settings from rank 0 (``broadcast_object_list``) and sizes a tensor by them: the
+    other ranks get rank 0's objects in the rehearsal too (through the mailbox), so their shapes are rank 0's."""
+    import torch.distributed as dist
+
+    from megashard.rehearse import Broker
+    from megashard.rehearse.compare import check_traces
+    from megashard.rehearse.script import ScriptRank
+
+    script = tmp_path / "bcast.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, megashard\n"
+        "from megashard.config import ParallelConfig\n"
+        "state = megashard.initialize(ParallelConfig(tp=2, backend='gloo', device='cpu'))\n"
+        "cfg = [{'hidden': 24} if dist.get_rank() == 0 else None]\n"
+        "dist.broadcast_object_list(cfg, src=0)\n"
+        "t = torch.ones(cfg[0]['hidden'])\n"
+        "dist.all_reduce(t, group=state.group('dp'))\n", encoding="utf-8")
+    assert not dist.is_initialized()
+    traces = Broker(ScriptRank(str(script), [], 4, log_dir=None), 4, jobs=2).run()
+    result = check_traces(traces)
+    assert result.ok, result.text()
+    assert [[c.sig for c in t.calls if c.op == "all_reduce" and c.group != "world"] for t in traces.values()] == \
+        [["float32[24]"]] * 4

@@ -35,9 +35,9 @@ def add(sub: argparse._SubParsersAction) -> None:
             "See docs/rehearse.md."),
         epilog=(
             "examples:\n"
-            "  megashard check train.py --world-size 8\n"
-            "  megashard check train.py --lr 3e-4 --world-size 64 --jobs 2\n"
-            "  megashard check train.py --world-size 16 -- --world-size 4   # after --: the script's own options\n"
+            "  megashard check examples/own_script.py --world-size 4\n"
+            "  megashard check examples/own_script.py --tp 1 --world-size 8 --jobs 2   # --tp 1: the script's option\n"
+            "  (megashard check train.py --world-size 16 -- --world-size 4: after --, every option is the script's)\n"
             "\nexit codes: 0 every rank's calls agree, 1 a problem found (each printed with ranks, operation and "
             "source line), 2 bad usage"),
     )

@@ -59,7 +59,7 @@ class Channel:
         _send(self.conn, ("get", key))
         reply = _recv(self.conn)
         if reply[0] == "abort":
-            raise Unmatched(key[0], key[1], key[2], reply[1])
+            raise Unmatched(key[0], key[1], key[2] if len(key) == 3 else 0, reply[1])
         return reply[1]
 
 
@@ -133,7 +133,9 @@ class Broker:
         started: dict[int, Any] = {}  # rank -> (process, conn)
         by_conn: dict[Any, int] = {}
         running: set[int] = set()
-        waiting: dict[tuple, int] = {}  # message key -> the rank waiting for it
+        waiting: dict[tuple, list[int]] = {}  # message key -> the ranks waiting for it
+        # A key (src, dst, k) is one point-to-point message, taken once; a longer key (src, -1, group, n) is what
+        # rank src broadcast in its n-th collective on a group: every member takes it.
         blocked_on: dict[int, tuple] = {}
         mailbox: dict[tuple, Any] = {}
         traces: dict[int, RankTrace] = {}
@@ -170,14 +172,15 @@ class Broker:
                     if pending:
                         start(pending.popleft())
                         continue
-                    for key, rank in list(waiting.items()):  # nobody is left to send them
+                    for key, ranks in list(waiting.items()):  # nobody is left to send them
                         src = key[0]
                         why = ("rank {} ended without sending it".format(src) if src in traces else
                                f"rank {src} waits itself" if src in blocked_on else f"rank {src} is not rehearsed")
-                        _send(started[rank][1], ("abort", why))
-                        running.add(rank)
+                        for rank in ranks:
+                            _send(started[rank][1], ("abort", why))
+                            running.add(rank)
+                            blocked_on.pop(rank, None)
                         waiting.pop(key)
-                        blocked_on.pop(rank, None)
                     continue
                 for conn in wait(list(by_conn)):
                     rank = by_conn[conn]
@@ -190,17 +193,16 @@ class Broker:
                     if kind == "put":
                         key, value = msg[1], msg[2]
                         mailbox[key] = value
-                        who = waiting.pop(key, None)
-                        if who is not None:
-                            _send(started[who][1], ("msg", mailbox.pop(key)))
+                        for who in waiting.pop(key, []):
+                            _send(started[who][1], ("msg", mailbox[key] if len(key) > 3 else mailbox.pop(key)))
                             blocked_on.pop(who, None)
                             running.add(who)
                     elif kind == "get":
                         key = msg[1]
                         if key in mailbox:
-                            _send(conn, ("msg", mailbox.pop(key)))
+                            _send(conn, ("msg", mailbox[key] if len(key) > 3 else mailbox.pop(key)))
                         else:
-                            waiting[key] = rank
+                            waiting.setdefault(key, []).append(rank)
                             blocked_on[rank] = key
                             running.discard(rank)
                             src = key[0]

@@ -70,8 +70,11 @@ class CheckResult:
         return not self.findings
 
     def summary(self) -> str:
-        what = (f"{self.ranks:,} ranks, {self.groups:,} groups, {self.calls:,} calls ({self.collectives:,} "
-                f"collectives, {self.p2p:,} point-to-point)")
+        def n(count: int, word: str) -> str:
+            return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+        what = (f"{n(self.ranks, 'rank')}, {n(self.groups, 'group')}, {n(self.calls, 'call')} "
+                f"({n(self.collectives, 'collective')}, {self.p2p:,} point-to-point)")
         if self.data_dependent:
             what += (f"; {self.data_dependent:,} with shapes that depend on data, not checkable "
                      f"({', '.join(self.data_dependent_ops)}): their order and group checked")
@@ -142,6 +145,8 @@ class _Index:
             return f"it failed: {t.error}"
         if t.status == "blocked" and t.blocked is not None:
             src, k, _ = t.blocked
+            if src >= 0 and not k:
+                return f"it waits for rank {src}'s broadcast_object_list"
             return f"it waits for receive #{k} from rank {src}" if src >= 0 else t.blocked[2]
         return "its step ended"
 

@@ -156,6 +156,7 @@ class Recorder:
         self._groups: dict[int, tuple[Any, GroupInfo]] = {}
         self._sent: dict[int, int] = {}  # peer -> sends to it so far
         self._recvd: dict[int, int] = {}  # peer -> receives from it so far
+        self._coll_seq: dict[str, int] = {}  # group key -> collectives recorded on it
         self._object_originals: dict[str, Any] = {}
         self.max_calls: Optional[int] = None
 
@@ -258,8 +259,9 @@ class Recorder:
                                       or (spec.functional and len(args) > 1 and args[1] is not None)))
         self._record(CallRecord(info.key, name, "" if name in _OBJECT_COLLECTIVES else _sig(tensor), "coll",
                                 async_op=async_op, site=site, data_dependent=dd, note=note))
+        seq = self._coll_seq[info.key] = self._coll_seq.get(info.key, 0) + 1
         if name in _OBJECT_COLLECTIVES:
-            return self._object_collective(name, args, kwargs, info)
+            return self._object_collective(name, args, kwargs, info, seq)
         if name == "monitored_barrier":
             return None
         return spec.fn(*args, **kwargs)
@@ -273,7 +275,7 @@ class Recorder:
             return None
 
     # ------------------------------------------------------------------ object collectives: answered locally
-    def _object_collective(self, name: str, args: tuple, kwargs: dict, info: GroupInfo) -> Any:
+    def _object_collective(self, name: str, args: tuple, kwargs: dict, info: GroupInfo, seq: int) -> Any:
         if name == "all_gather_object":
             out = args[0] if args else kwargs.get("object_list")
             obj = args[1] if len(args) > 1 else kwargs.get("obj")
@@ -291,7 +293,25 @@ class Recorder:
             if inp:
                 me = info.ranks.index(self.rank) if self.rank in info.ranks else 0
                 out[0] = inp[me] if me < len(inp) else inp[0]
-        return None  # broadcast_object_list: the list stays as this rank holds it
+        elif name == "broadcast_object_list" and self.channel is not None:  # the source's objects, from the mailbox
+            objects = args[0] if args else kwargs.get("object_list")
+            src = args[1] if len(args) > 1 else kwargs.get("src")
+            if src is None and kwargs.get("group_src") is not None:
+                src = info.ranks[kwargs["group_src"]]
+            src = 0 if src is None else int(src)
+            key = (src, -1, info.key, seq)  # taken by every member (megashard.rehearse.broker)
+            if src == self.rank:
+                try:
+                    import pickle
+
+                    self.channel.put(key, pickle.loads(pickle.dumps(list(objects))))
+                except Exception:  # noqa: BLE001 - objects that cannot travel: the others keep their own
+                    self.channel.put(key, None)
+            else:
+                value = self.channel.get(key)
+                if isinstance(value, list):
+                    objects[:len(value)] = value[:len(objects)]
+        return None
 
     # ------------------------------------------------------------------ point-to-point
     def _p2p(self, spec: Any, args: tuple, kwargs: dict, info: GroupInfo, site: str, async_op: bool,

@@ -222,6 +222,10 @@ class HyperCommGrid:
             ranks = tuple(r + self.rank_offset for r in enum_view.grid.group_of(enum_dims, local))
             pg = self._group(ranks, kwargs, f"hypercommgrid:{'-'.join(ordered) or 'self'}")
         self._pgs[key] = pg
+        if pg is not None:
+            from megashard.state.identity import remember_grid_group
+
+            remember_grid_group(self, key, pg)
         return pg
 
     def _group(self, ranks: tuple[int, ...], options: dict[str, Any], desc: str) -> dist.ProcessGroup:

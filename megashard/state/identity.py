@@ -16,14 +16,35 @@ from typing import Any, Optional
 
 import weakref
 
-__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of", "register_grid"]
+__all__ = ["current_layout", "foreign_group_note", "layout_label", "layouts_of", "register_grid", "remember_grid_group"]
 
 _GRIDS: "weakref.WeakSet" = weakref.WeakSet()  # live HyperCommGrids (Megatron's pg_collection grids)
+#: group -> {grid label: its name there}: what a grid's groups keep of it after the grid object itself is gone (a
+#: pg_collection holds the groups, not the grid)
+_GRID_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register_grid(grid: Any) -> None:
     """A :class:`~megashard.state.hyper_grid.HyperCommGrid` whose groups belong to it (its constructor calls this)."""
     _GRIDS.add(grid)
+
+
+def remember_grid_group(grid: Any, key: Any, pg: Any) -> None:
+    """Group ``pg`` (``key`` in the grid's table) was made by ``grid`` (``HyperCommGrid.create_pg`` calls this)."""
+    try:
+        _GRID_GROUPS.setdefault(pg, {})[_grid_label(grid)] = key if isinstance(key, str) else "-".join(key[1])
+    except TypeError:  # a group object that cannot be weakly referenced
+        pass
+
+
+def _remember_grid_groups() -> None:
+    for grid in list(_GRIDS):
+        for k, g in list(getattr(grid, "_pgs", {}).items()):
+            if g is not None:
+                try:
+                    _GRID_GROUPS.setdefault(g, {})[_grid_label(grid)] = k if isinstance(k, str) else "-".join(k[1])
+                except TypeError:  # a group object that cannot be weakly referenced
+                    pass
 
 
 def _grid_label(grid: Any) -> str:
@@ -61,13 +82,16 @@ def layouts_of(pg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             label = layout_label(state)
             if label not in layouts:
                 layouts.append(label)
-    for grid in list(_GRIDS):
-        mine = [k if isinstance(k, str) else "-".join(k[1]) for k, g in getattr(grid, "_pgs", {}).items() if g is pg]
-        if mine:
-            names += [n for n in mine if n not in names]
-            label = _grid_label(grid)
-            if label not in layouts:
-                layouts.append(label)
+    _remember_grid_groups()
+    try:
+        owners = _GRID_GROUPS.get(pg) or {}
+    except TypeError:
+        owners = {}
+    for label, name in owners.items():
+        if name not in names:
+            names.append(name)
+        if label not in layouts:
+            layouts.append(label)
     return tuple(names), tuple(layouts)
 
 
