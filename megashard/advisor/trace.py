@@ -7,15 +7,17 @@ The fast model (:mod:`megashard.advisor.memory`) ranks hundreds of layouts; the 
 (:mod:`megashard.rehearse`: no peer, no device, the rank's real CPU tensors in the job's dtypes), and
 :class:`~megashard.advisor.live_bytes.LiveBytes` counts the bytes of its live tensor storages exactly as the tests and
 ``benchmarks/advisor.py`` measure a real gloo run: a warm-up step, then the peak of the second step (the steady
-state, the optimizer's state present), plus the synthetic data the job holds (``num_sequences · (seq + 1) · 8``;
+state, the optimizer's state present), plus the synthetic data the job holds (``num_sequences · (seq + 1)`` tokens;
 the rehearsal makes a smaller set of its own); on a CPU job, each reduce-scatter also holds a copy of its input
 while it runs, as gloo does. Where the two differ: with experts over ep > 1 ranks the fake backend delivers no
 peer's tokens, so the pairs a rank's experts receive are missing (``TracedPeak.partial``: the modelled figure, with
 its routing-imbalance bound, decides there), and a GPU job is traced with the CPU kernels (what CUDA kernels save can
 differ; docs/advisor.md).
 
-The rehearsal allocates what the rank allocates: a layout is traced only when its modelled peak fits this machine
-(:func:`trace_budget`); the report says which were traced and how long it took.
+The rehearsal allocates what the rank allocates and computes what it computes: a layout is traced only when its
+modelled peak fits this machine (:func:`trace_budget`) and its two steps take at most :data:`TRACE_SECONDS` on this
+CPU (:func:`trace_seconds`: a 1B-parameter model's step is minutes of CPU time); the report says which were traced
+and how long it took.
 """
 from __future__ import annotations
 
@@ -55,6 +57,24 @@ def trace_budget() -> int:
     return host_ram() // 4
 
 
+#: The most CPU time a layout's trace may take here (seconds, by :func:`trace_seconds`); longer ones are not traced.
+TRACE_SECONDS = 30.0
+
+
+def trace_seconds(shape: Any, world_size: int, flops_per_s: float) -> float:
+    """About how long tracing a layout takes on this CPU: its rank's two steps (warm-up and measured), each about
+    ``6 · parameters · tokens / world_size`` FLOPs (forward and backward of the rank's share), at ``flops_per_s``."""
+    from megashard.advisor.shape import block_params, numel, root_params
+
+    params = numel(root_params(shape, 1, True, True))
+    for layer in range(shape.layers):
+        dense, expert = block_params(shape, 1, shape.is_moe(layer))
+        params += numel(dense) + numel(expert) * min(shape.top_k, max(shape.num_experts, 1)) // max(
+            shape.num_experts, 1)
+    flops = 6.0 * params * shape.global_batch * shape.seq / max(world_size, 1)
+    return 2 * flops / max(flops_per_s, 1.0)
+
+
 def pp_rank_ranks(sizes: Any, pp_ranks: list[int]) -> list[int]:
     """The global rank of each pipeline rank in ``pp_ranks`` whose other coordinates are all 0 (FSDP's largest shard,
     rank 0 of every group)."""
@@ -81,7 +101,10 @@ def trace_memory(job: Any, world_size: int, pp_ranks: Optional[list[int]] = None
     sizes = job.validate(world_size)
     pp_ranks = list(range(sizes.pp)) if pp_ranks is None else pp_ranks
     ranks = pp_rank_ranks(sizes, pp_ranks)
-    data = job.data.num_sequences * (job.model.seq_len + 1) * 8 if job.data.source == "synthetic" else 0
+    from megashard.advisor.host import token_bytes
+
+    data = (job.data.num_sequences * (job.model.seq_len + 1) * token_bytes(job.model.vocab_size)
+            if job.data.source == "synthetic" else 0)
     from megashard.advisor.machine import job_device
 
     gloo = job_device(job.parallel) == "cpu"
@@ -178,7 +201,11 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
     from megashard.config import yamlfile
     from megashard.train.config import JobConfig
 
+    from megashard.advisor.machine import measure_cpu_flops
+    from megashard.advisor.shape import JobShape
+
     budget = min(limit, trace_budget())
+    rate = measure_cpu_flops()
     t0 = time.perf_counter()
     done: list[Any] = []
     i = 0
@@ -191,6 +218,13 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
             i += 1
             continue
         job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)
+        cost = trace_seconds(JobShape.from_job(job), result.world_size, rate)
+        if cost > TRACE_SECONDS:
+            result.trace_notes.append(f"{c.label()}: not traced (its rank's step is about {cost:,.0f} s of this CPU's "
+                                      f"time, more than the {TRACE_SECONDS:g} s a trace may take; the modelled figure "
+                                      "decides)")
+            i += 1
+            continue
         pp = c.sizes["pp"]
         pp_ranks = sorted({m.rank, 0, pp - 1})
         peaks = trace_memory(job, result.world_size, pp_ranks)
