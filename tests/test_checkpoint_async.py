@@ -245,8 +245,10 @@ def test_async_is_the_yaml_key():
     assert doc["checkpoint"]["async"] is True and "async_save" not in doc["checkpoint"]
     assert JobConfig.from_dict(doc).checkpoint.async_save is True
     assert JobConfig.from_yaml(job_overrides.DEFAULT).checkpoint.async_save is False
-    with pytest.raises(ConfigError, match=r"checkpoint.async='yes' must be true or false"):
-        JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async='yes'"])
+    # yes/no/on/off spell a boolean (megashard.config.keys.BOOL_WORDS); another word is refused
+    assert JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async=yes"]).checkpoint.async_save is True
+    with pytest.raises(ConfigError, match=r"checkpoint.async='sometimes' must be true or false"):
+        JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async=sometimes"])
     with pytest.raises(ConfigError, match=r"unknown config key\(s\): 'checkpoint.async_save'.*valid keys of 'checkpoint': "
                        r".*async"):
         JobConfig.from_yaml(job_overrides.DEFAULT, ["checkpoint.async_save=true"])
