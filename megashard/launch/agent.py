@@ -109,6 +109,7 @@ class _Reporter(logging.Handler):
         self.host = host
         self.failure: Optional[tuple[int, int]] = None  # (local rank, exit code) of the newest failure
         self.membership = False  # the agent gave the coming restart back: every worker here only lost its peers
+        self.live = False  # launch.recovery=live: a join does not restart the workers (megashard.launch.live_agent)
 
     def on_membership(self) -> None:
         """Called by the agent (megashard._compat) when a node left: the next restart re-forms the world."""
@@ -126,6 +127,10 @@ class _Reporter(logging.Handler):
                 return
             if _JOINED in template:  # torch: "[role] Detected N new nodes from group_rank=G; will restart worker group"
                 n = int(record.args[1])  # type: ignore[index]
+                if self.live:
+                    _say(f"{n} node{'s' if n != 1 else ''} joined the rendezvous; the running workers take "
+                         f"{'them' if n != 1 else 'it'} in at their next step (no restart)")
+                    return
                 _say(f"{n} node{'s' if n != 1 else ''} joined the rendezvous; the workers restart in the larger world "
                      "(not counted against launch.max_restarts)")
                 return
@@ -225,6 +230,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         export_rendezvous_round(RENDEZVOUS_ROUND_ENV)  # the world the workers start in: the doctor's run identity
         elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}), membership_code=EXIT_PEER_LOST
                                   if reporter.elastic else None, on_membership=reporter.on_membership)
+        from megashard.launch import live_agent
+
+        live_dir = live_agent.enable(args.rdzv_endpoint if reporter.elastic else None, _say)
+        reporter.live = live_dir is not None
         try:
             run(args)
         except ChildFailedError as e:
@@ -233,6 +242,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             return EXIT_NO_RESTART if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()) else 1
         except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
             return 128 + int(e.sigval)
+        finally:
+            if live_dir is not None:
+                import shutil
+
+                shutil.rmtree(live_dir, ignore_errors=True)
     except KeyboardInterrupt:  # a SIGINT before torchrun's handlers (imports, rendezvous): the launcher reports it
         return 128 + int(signal.SIGINT)
     return 0

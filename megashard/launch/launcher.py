@@ -202,6 +202,8 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
+    if job.launch.elastic and job.launch.rdzv_backend == "c10d":
+        child_env["MEGASHARD_RECOVERY"] = job.launch.recovery  # megashard.launch.live_agent
     if job.launch.elastic and PEER_LOSS_GRACE_ENV not in env:
         # A worker that lost its peers waits for torchrun to stop it, so that a failure of its own node is reported
         # first. In an elastic job the lost peer is usually a node that left: leave soon (the agent re-forms the

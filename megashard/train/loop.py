@@ -111,7 +111,16 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
 
     ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
     to compare parameters). Returns a :class:`TrainResult` on every rank.
+
+    An elastic job with ``launch.recovery: live`` under megashard's agent keeps training across world changes in
+    this process (:mod:`megashard.train.live`).
     """
+    from megashard.train.live_world import live_enabled
+
+    if live_enabled(job):
+        from megashard.train.live import train_live
+
+        return train_live(job, on_end=on_end)
     run = TrainRun(job)
     try:
         run.start()
@@ -181,10 +190,11 @@ class TrainRun:
         model_parallel_manual_seed(job.parallel.seed)
         self.model, self.optimizer = build(job, state)
 
-    def resume(self) -> None:
+    def resume(self, live_step: Optional[int] = None) -> None:
         """From the newest checkpoint that verifies (or the requested one), then what the steps from its step on
         need: the batches, rank 0's metrics and progress bar, the pipeline schedule, the background saver. The clock
-        of the training steps starts here."""
+        of the training steps starts here. ``live_step``: the model and optimizer already hold the state of this step
+        (live recovery restored it from memory, :mod:`megashard.train.live`): no checkpoint is read."""
         from megashard.progress import ProgressBar
         from megashard.train.checkpointing import resume_checkpoint
         from megashard.train.data import Batches
@@ -196,8 +206,17 @@ class TrainRun:
         self.world = World.gather(state, sizes)  # every rank's node: what a later start compares with
         before = World.previous(job) if self.rank == 0 else None  # the previous start of this job, if any
         # run_id: what this run's checkpoints record (and prune); the previous start's when the job goes on
-        found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
-                                                      run_id=(before or {}).get("run_id"))
+        if live_step is None:
+            found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
+                                                          run_id=(before or {}).get("run_id"))
+        else:  # the previous world's run goes on (rank 0 may be another process now: world.json has its id)
+            from megashard.train.startpoint import plan_resume
+
+            box = [((before or {}).get("run_id") or plan_resume(job, None).run_id) if self.rank == 0 else None]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(box, src=0)
+            found, start, self.run_id = None, live_step, box[0]
+        self.state_from = "memory" if live_step is not None else "checkpoint" if found is not None else "none"
         self.change: Any = None
         if self.rank == 0:
             if before is not None:  # a restart or a new world: nodes, world and layout, then the steps redone
@@ -205,7 +224,10 @@ class TrainRun:
                 for line in self.change.lines():  # none for a restart in the same world (torchrun's line said it)
                     print(line, file=sys.stderr, flush=True)
             redone = self.change.redone_text() if self.change is not None else ""
-            if found is not None:
+            if live_step is not None:
+                print(f"megashard run: re-formed in place (no restart): state of step {start} from the memory of the "
+                      f"surviving ranks{redone}", file=sys.stderr, flush=True)
+            elif found is not None:
                 from megashard.train.startpoint import read_record, resumed_line
 
                 print(resumed_line(job, found, start, read_record(found), sizes) + redone, file=sys.stderr, flush=True)
@@ -282,6 +304,7 @@ class TrainRun:
                   "world_size": self.world.world_size}
         if self.change is not None and done == result.start_step + 1:  # the first step after a restart or a change
             record["world_change"] = self.change.record(record["time"], dt)
+            record["world_change"]["state_from"] = self.state_from  # memory, checkpoint (read) or none (step 0)
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             record["valid_loss"] = result.valid_losses[done] = evaluate(model, self.data, t.eval_batches, state, pipe)
             if self.rank == 0:

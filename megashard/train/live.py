@@ -1,0 +1,115 @@
+"""The training loop of an elastic job with live recovery (``launch.recovery: live``): the world changes, the
+processes stay.
+
+    result = train_live(job)     # megashard.train.loop.train calls it when megashard.train.live_world.live_enabled
+
+One :class:`~megashard.train.loop.TrainRun` per world. Before each step every rank checks (one all-reduce) whether
+its agent completed a rendezvous round for a joining node; after each step it captures its state in host memory
+(:class:`~megashard.train.memory_copies.MemoryCopies`). When a collective fails because a peer process went away, the
+survivors abort the broken groups, agree on the next world among themselves (:meth:`LiveWorld.after_loss`) and go
+on in it; when a node joins, every rank moves at the same step boundary (:meth:`LiveWorld.adopt`). In the new world
+the layout is resolved again (the data-parallel axis absorbs the size), the model and optimizer are built for it and
+filled from the live copies (:func:`~megashard.train.memory_copies.restore`) — or, when no live copy covers the lost
+shards, from the newest checkpoint, read by the same processes. Data position and RNG are functions of the step.
+
+A worker left out of the survivors' world (its node answered too late) exits with
+:data:`~megashard.launch.agent.EXIT_PEER_LOST`; its launcher brings it back through the rendezvous, as a join.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from megashard.train.config import JobConfig
+from megashard.train.result import TrainResult
+
+__all__ = ["train_live"]
+
+
+class _Move(Exception):
+    """Every rank agreed at a step boundary to move to the round the agents completed for a joining node."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__("join")
+        self.info = info
+
+
+def _broken(world: Any, e: BaseException) -> bool:
+    """Whether ``e`` means the world is broken (a peer went away, or another survivor already aborted it)."""
+    from megashard.launch.agent import is_peer_loss
+
+    if is_peer_loss(e) or "abort" in str(e).lower():
+        return True
+    try:
+        return bool(world.root.check([f"{world.prefix}/abort"]))
+    except Exception:  # noqa: BLE001 - the store is gone too: not a loss this module can handle
+        return False
+
+
+def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) -> TrainResult:
+    """Train ``job`` across world changes in this process (see the module docstring). Returns the last world's
+    :class:`TrainResult`."""
+    from megashard.train.live_world import LiveWorld, LeftOut
+    from megashard.train.loop import TrainRun
+    from megashard.train.memory_copies import MemoryCopies, restore
+
+    if os.environ.get("MEGASHARD_LIVE_DEBUG"):
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    world = LiveWorld.from_env(job.parallel)
+    world.join()
+    copies: Optional[MemoryCopies] = None  # this process's copies of the newest world that captured any
+    while True:
+        run = TrainRun(job)
+        try:
+            run.start()
+            # every rank of the world says what it holds (newcomers and a first world: nothing → the checkpoint)
+            live_step = restore(copies, run.model, run.optimizer, run.state)
+            run.resume(live_step=live_step)
+            if world.changes:
+                world.tell_agent()
+            for step in range(run.result.start_step, job.train.steps):
+                info = world.join_due()
+                if info is not None:
+                    raise _Move(info)
+                run.step(step)
+                if copies is None or copies.world_id != world.prefix:
+                    copies = MemoryCopies(run.model, run.optimizer, run.state, job.checkpoint.memory_copies,
+                                          world.prefix, world.local_world_size)
+                copies.capture(step + 1)
+                run.save(step + 1)
+            result = run.end(on_end)
+            world.close()
+            return result
+        except _Move as m:
+            _close(run)
+            world.adopt(m.info)
+        except Exception as e:  # noqa: BLE001 - a broken world is handled here, anything else is re-raised
+            if not _broken(world, e):
+                raise
+            world.signal_abort()
+            _close(run)
+            try:
+                world.after_loss()
+            except LeftOut as left:
+                from megashard.errors import PeerLostError
+
+                raise PeerLostError(str(left)) from None
+
+
+def _close(run: Any) -> None:
+    """Let go of a run whose world ends (a broken one may fail to release parts: nothing of it is needed)."""
+    try:
+        if getattr(run, "bar", None) is not None:
+            run.bar.close()
+        if getattr(run, "writer", None) is not None:
+            run.writer.close()
+        run.close()
+    except Exception as e:  # noqa: BLE001
+        print(f"megashard run: rank {getattr(run, 'rank', '?')}: while leaving the broken world: "
+              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)

@@ -1,0 +1,311 @@
+"""In-process re-formation of an elastic job's world (``launch.recovery: live``): the same processes, a new world.
+
+    world = LiveWorld.from_env(job.parallel)   # under megashard's agent (it exports the store and its directory)
+    world.join()                               # the default group of this rendezvous round's world
+    ...
+    except Exception as e:                     # a collective failed: a peer is gone
+        world.after_loss(e)                    # abort the broken groups, agree with the survivors, a new default group
+    ...
+    info = world.join_due()                    # at a step boundary (collective): a node waits to join?
+    if info: world.adopt(info)                 # the new round's default group, the newcomers in it
+
+Every group of the world lives in the rendezvous host's store (``launch.rdzv_endpoint``, the c10d store that torch's
+rendezvous already needs alive), under a key prefix per world: ``r<round>`` for the world of a rendezvous round,
+``r<round>.<k>`` for the k-th world the survivors of a loss formed in it.
+
+**A loss** (a collective raised because a peer process went away) is handled by the survivors alone, not by torch's
+rendezvous: the first to see it sets the world's *abort* key; a thread of every worker watches it and aborts its
+process groups (``ProcessGroup.abort``: a collective blocked on a survivor that already left returns at once instead
+of waiting ``parallel.timeout``); every survivor then registers. The first to register is the leader: it waits until
+every rank registered or, for each node, either all its ranks or none did and nobody registered for
+:data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
+order. The members form the next world; a worker left out (its node was too slow to answer) exits with
+:data:`~megashard.launch.agent.EXIT_PEER_LOST` and its launcher brings it back through the rendezvous, as a join.
+
+**A join** goes through torch's rendezvous: megashard's agent sees the waiting node, completes the next round
+without stopping its workers (:mod:`megashard.launch.live_agent`) and writes the workers' new ranks into its
+directory (``round.json``); at the next step boundary the workers agree (one all-reduce of a flag) to move, and
+every worker of the round — the newcomers started by their agents meanwhile — forms its default group. The running
+workers wait for the newcomers to have imported and built everything (``r<round>/ready``) before they leave their
+world, so a join costs them about the time of the new group and the state transfer, not a process start.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LiveWorld", "LeftOut", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
+
+LIVE_STORE_ENV = "MEGASHARD_LIVE_STORE"
+"""``host:port`` of the rendezvous store, exported to the workers by megashard's agent in live mode."""
+LIVE_DIR_ENV = "MEGASHARD_LIVE_DIR"
+"""The agent's directory where it hands its workers a new rendezvous round (:data:`ROUND_FILE`)."""
+ROUND_FILE = "round.json"
+GRACE_S = 1.0
+"""Seconds without a new survivor registering after which the leader closes the new world (env
+``MEGASHARD_LIVE_GRACE_S``). A node none of whose ranks registered by then counts as gone."""
+_POLL_S = 0.05
+
+
+def debug(msg: str) -> None:
+    """``MEGASHARD_LIVE_DEBUG=1``: one line per live-recovery event on stderr (development aid)."""
+    if os.environ.get("MEGASHARD_LIVE_DEBUG"):
+        import sys
+
+        print(f"[live {time.strftime('%H:%M:%S')} rank {os.environ.get('RANK')}] {msg}", file=sys.stderr, flush=True)
+
+
+class LeftOut(RuntimeError):
+    """The survivors formed the new world without this worker (its node answered too late)."""
+
+
+def live_enabled(job: Any) -> bool:
+    """Whether this worker re-forms its world in place: an elastic job with ``launch.recovery: live`` started by
+    megashard's agent (which exports the rendezvous store)."""
+    return bool(job.launch.elastic and job.launch.recovery == "live" and os.environ.get(LIVE_STORE_ENV))
+
+
+@dataclass
+class RoundInfo:
+    """A rendezvous round the agent completed while its workers ran: this worker's rank and world in it."""
+
+    round: int
+    rank: int
+    world_size: int
+
+
+def _grace() -> float:
+    try:
+        return max(0.1, float(os.environ.get("MEGASHARD_LIVE_GRACE_S", GRACE_S)))
+    except ValueError:
+        return GRACE_S
+
+
+class LiveWorld:
+    """This worker's place in the live job: the store, the current world's prefix, rank and nodes, the watcher."""
+
+    def __init__(self, endpoint: str, run_id: str, backend: str, timeout: float, device_type: str = "cpu") -> None:
+        host, _, port = endpoint.rpartition(":")
+        self.timeout = float(timeout)
+        self.backend, self.device_type = backend, device_type
+        self._endpoint = (host or "localhost", int(port))
+        self.root = self._client()
+        self.round = int(os.environ.get("MEGASHARD_RDZV_ROUND", "0") or 0)
+        self.prefix = f"r{self.round}"
+        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        self.nodes: list[str] = []
+        self.agent_dir = os.environ.get(LIVE_DIR_ENV) or None
+        self._seen_round_mtime = 0.0
+        self._watch: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.run_id = run_id
+        self.changes = 0  # worlds formed after the first
+
+    @classmethod
+    def from_env(cls, parallel: Any) -> "LiveWorld":
+        from megashard.state.devices import resolve_backend
+
+        return cls(os.environ[LIVE_STORE_ENV], os.environ.get("TORCHELASTIC_RUN_ID", "job"), resolve_backend(parallel),
+                   parallel.timeout, parallel.device)
+
+    def _client(self) -> Any:
+        store = dist.TCPStore(self._endpoint[0], self._endpoint[1], is_master=False,
+                              timeout=timedelta(seconds=self.timeout))
+        return dist.PrefixStore(f"megashard-live/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}", store)
+
+    # ------------------------------------------------------------------------------------------- forming a world
+    def join(self) -> None:
+        """Form the default group of this round's world (this worker's first; RANK / WORLD_SIZE from torchrun)."""
+        self.root.add(f"{self.prefix}/ready", 1)  # running workers of an earlier world wait for the newcomers
+        self._form(self.rank, self.world_size)
+
+    def _form(self, rank: int, world_size: int) -> None:
+        from megashard.train.world import node_id
+
+        if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.prefix}/pg", self.root), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=self.timeout))
+        debug(f"forming world {self.prefix} as rank {rank} of {world_size}")
+        self.rank, self.world_size = rank, world_size
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, node_id())
+        self.nodes = every
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+        self._start_watch()
+
+    def _start_watch(self) -> None:
+        self._stop = threading.Event()
+        key, stop, client = f"{self.prefix}/abort", self._stop, self._client()
+
+        def watch() -> None:  # a survivor blocked in a collective with another survivor that already left
+            while not stop.wait(_POLL_S):
+                try:
+                    if client.check([key]):
+                        abort_groups()
+                        return
+                except Exception:  # noqa: BLE001 - the store's host is gone: the main thread finds out
+                    return
+
+        self._watch = threading.Thread(target=watch, name="megashard-live-watch", daemon=True)
+        self._watch.start()
+
+    def leave(self, *, abort: bool) -> None:
+        """Let go of this world's groups: aborted (a peer is gone: nothing may block) or destroyed (a planned move);
+        megashard's state and pooled groups first, then the default group."""
+        import gc
+
+        import megashard.state as ms
+        from megashard.state.pool import release_process_groups
+
+        self._stop.set()
+        if abort:
+            abort_groups()
+        ms.destroy()
+        release_process_groups()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - an aborted group: forgetting it is all that is left to do
+                pass
+        gc.collect()
+
+    # ------------------------------------------------------------------------------------------- a loss
+    def signal_abort(self) -> None:
+        """This world is broken: tell every rank (their watchers abort their groups) and abort this rank's."""
+        self._stop.set()
+        try:
+            self.root.set(f"{self.prefix}/abort", "1")
+        finally:
+            abort_groups()
+
+    def after_loss(self) -> list[int]:
+        """A peer is gone: abort this world, agree with the survivors on the next one and form it. Returns the old
+        ranks of its members (in new rank order). Raises :class:`LeftOut` when the others formed it without this
+        worker, RuntimeError when the survivors cannot agree within ``parallel.timeout``."""
+        old, p, root = self.rank, self.prefix, self.root
+        root.set(f"{p}/abort", "1")
+        self.leave(abort=True)
+        root.set(f"{p}/alive/{old}", "1")
+        count = root.add(f"{p}/count", 1)
+        if root.compare_set(f"{p}/leader", "", str(old)).decode() == str(old):
+            decision = self._decide(count)
+            root.set(f"{p}/decision", json.dumps(decision))
+        else:
+            root.wait([f"{p}/decision"], timedelta(seconds=self.timeout))
+            decision = json.loads(root.get(f"{p}/decision").decode())
+        members = decision["members"]
+        debug(f"decision after loss in {p}: {decision}")
+        if old not in members:
+            raise LeftOut(f"the survivors re-formed the world without rank {old} (its node answered too late)")
+        self.prefix = decision["prefix"]
+        self.changes += 1
+        # the hang doctor files each world's records apart (megashard.doctor.watch): a number of its own
+        os.environ["MEGASHARD_RDZV_ROUND"] = str(self.round * 1000 + self.changes)
+        self._form(members.index(old), len(members))
+        return members
+
+    def _decide(self, count: int) -> dict:
+        """Leader: which old ranks form the next world (whole nodes whose ranks all registered)."""
+        p, root, n = self.prefix, self.root, self.world_size
+        by_node: dict[str, list[int]] = {}
+        for r, node in enumerate(self.nodes):
+            by_node.setdefault(node, []).append(r)
+        deadline = time.monotonic() + self.timeout
+        last, last_change, alive = count, time.monotonic(), set()
+        while True:
+            now = root.add(f"{p}/count", 0)
+            if now != last or not alive:
+                alive = {r for r in range(n) if root.check([f"{p}/alive/{r}"])}
+                if now != last:
+                    last, last_change = now, time.monotonic()
+            whole = all(set(rs) <= alive or not set(rs) & alive for rs in by_node.values())
+            if len(alive) == n or (whole and time.monotonic() - last_change >= _grace()):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        members = sorted(r for rs in by_node.values() if set(rs) <= alive for r in rs)
+        return {"members": members, "prefix": f"{p}.{self.changes + 1}"}
+
+    # ------------------------------------------------------------------------------------------- a join
+    def _pending(self) -> Optional[RoundInfo]:
+        """The round the agent completed while this world trained (newer than this world's), or None."""
+        if not self.agent_dir:
+            return None
+        path = os.path.join(self.agent_dir, ROUND_FILE)
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime == self._seen_round_mtime:
+                return None
+            with open(path, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            return None
+        info = RoundInfo(int(rec["round"]), int(rec["ranks"][os.environ.get("LOCAL_RANK", "0")]),
+                         int(rec["world_size"]))
+        if info.round <= self.round:
+            self._seen_round_mtime = mtime
+            return None
+        return info
+
+    def join_due(self) -> Optional[RoundInfo]:
+        """At a step boundary (collective over the world): whether every rank moves to a new round now. A rank sees
+        its agent's round once the newcomers are ready; one all-reduce (MAX) makes it every rank's decision."""
+        info = self._pending()
+        ready = 0
+        if info is not None:
+            newcomers = info.world_size - self.world_size
+            ready = int(newcomers <= 0 or self.root.add(f"r{info.round}/ready", 0) >= newcomers)
+        if self.world_size > 1:
+            from megashard.state.devices import current_device
+
+            flag = torch.tensor([ready], dtype=torch.int32, device=current_device(self.device_type))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            ready = int(flag.item())
+        if not ready:
+            return None
+        debug(f"join due: {info}")
+        deadline = time.monotonic() + self.timeout
+        while info is None or info.round <= self.round:  # another rank saw it first: this agent's file follows
+            if time.monotonic() > deadline:
+                raise RuntimeError("megashard live: the agent did not hand over the new rendezvous round in time")
+            time.sleep(_POLL_S)
+            info = self._pending()
+        return info
+
+    def adopt(self, info: RoundInfo) -> None:
+        """Leave this world (healthy: destroyed, not aborted) and form the round's."""
+        self.leave(abort=False)
+        self.round, self.prefix = info.round, f"r{info.round}"
+        os.environ["MEGASHARD_RDZV_ROUND"] = str(info.round)
+        self.changes += 1
+        self._form(info.rank, info.world_size)
+
+    def tell_agent(self) -> None:
+        """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them)."""
+        if self.agent_dir and os.environ.get("LOCAL_RANK", "0") == "0":
+            path = os.path.join(self.agent_dir, "nodes.json")
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"nodes": len(set(self.nodes)), "round": self.round}, f)
+            os.replace(tmp, path)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process (none blocks any more; each raises in its next call)."""
+    from megashard._compat import abort_process_groups
+
+    abort_process_groups()

@@ -1,0 +1,268 @@
+"""Live copies of the training state in host memory: what a re-formed world restores instead of a checkpoint.
+
+    copies = MemoryCopies(job, model, optimizer, state)   # per world (collective: the chunk tables of every rank)
+    copies.capture(step)                                  # after every optimizer step (collective with copies=1)
+    step = restore(copies_or_None, model, optimizer, state)   # in the new world (collective): the step, or None
+
+After every step each rank copies its model and optimizer shards — the global-DTensor entries a checkpoint saves
+(:func:`megashard.train.checkpointing.state_entries`) — into host memory; with ``checkpoint.memory_copies: 1`` it
+also sends them to the same local rank of the next node, which keeps them beside its own. Two generations are kept
+(the step just trained and the one before), so a node lost in the middle of a capture still leaves a step whose
+pieces all survive. HSDP replicas (``dp_outer > 1``) hold the same chunks, so they cover each other without copies.
+
+:func:`restore` runs in the new world (survivors of the old one, and newcomers that hold nothing): every rank says
+what it holds, the newest step whose chunks cover every tensor of the old world is chosen, each needed holding is
+broadcast from one rank that has it, and every rank cuts its new local shards out of the pieces — whatever the new
+layout (the data-parallel axis absorbs the world size). No file is read. When no step is covered (a node lost with
+no copy of its shards), :func:`restore` returns None and the caller reads the newest checkpoint instead.
+
+Cost: per rank ``2 × (1 + memory_copies) ×`` its shard bytes of host memory (:func:`bytes_per_rank`), one host copy
+and (copies=1) one send and receive of its shards per step; a restore moves the whole state to every rank once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megashard.state import ParallelState
+
+__all__ = ["MemoryCopies", "restore", "bytes_per_rank", "Chunk"]
+
+_ALIGN = 64  # byte alignment of every tensor in a flat buffer (any dtype view is legal)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One tensor piece of one rank: ``key`` (``model/<name>``, ``optim/<name>.exp_avg``), its place in the global
+    tensor, and where its bytes sit in that rank's flat buffer."""
+
+    key: str
+    offsets: tuple
+    sizes: tuple
+    global_size: tuple
+    dtype: str
+    start: int
+    nbytes: int
+
+    def box(self) -> tuple:
+        return (self.key, self.offsets, self.sizes)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def _entries(model, optimizer, state) -> list[tuple[str, Any]]:
+    """``(key, tensor or DTensor)`` of everything a checkpoint of the job saves, in a fixed order."""
+    from megashard.train.checkpointing import state_entries
+
+    sd = state_entries(model, optimizer, state)
+    return [(f"{section}/{name}", v) for section in ("model", "optim") for name, v in sd[section].items()]
+
+
+def _table(entries: list[tuple[str, Any]]) -> tuple[list[Chunk], int]:
+    """This rank's chunks (after the uneven layouts are attached) and the bytes of its flat buffer."""
+    from torch.distributed.tensor import DTensor
+
+    chunks, pos = [], 0
+    for key, v in entries:
+        if isinstance(v, DTensor):
+            local = v.to_local()
+            c = v.__create_chunk_list__()[0]
+            offsets, sizes, gsize = tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes), tuple(v.shape)
+        else:
+            local = v
+            offsets, sizes, gsize = (0,) * v.dim(), tuple(v.shape), tuple(v.shape)
+        nbytes = local.numel() * local.element_size()
+        chunks.append(Chunk(key, offsets, sizes, gsize, str(local.dtype), pos, nbytes))
+        pos += -(-nbytes // _ALIGN) * _ALIGN
+    return chunks, pos
+
+
+def _view(flat: torch.Tensor, c: Chunk) -> torch.Tensor:
+    """Chunk ``c`` of a flat uint8 buffer, as a tensor of its dtype and shape (shares the buffer's memory)."""
+    return flat[c.start:c.start + c.nbytes].view(_dtype(c.dtype)).view(c.sizes)
+
+
+def bytes_per_rank(shard_bytes: int, copies: int) -> int:
+    """Host memory the live copies take per rank: two generations of its own shards and of ``copies`` peers'."""
+    return 2 * (1 + copies) * shard_bytes
+
+
+class MemoryCopies:
+    """This rank's live copies: its own shards and (``copies=1``) those of one rank on the previous node, for the
+    newest two captured steps; the chunk tables of every rank of the world they were taken in."""
+
+    def __init__(self, model, optimizer, state: "ParallelState", copies: int, world_id: str,
+                 local_world_size: int) -> None:
+        from megashard.checkpoint.state_dict import attach_uneven_layouts
+
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.world_id = world_id
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        nodes = self.world // max(1, local_world_size)
+        # the same local rank of the next node keeps a copy (none on one node: it would die with this one)
+        self.copies = copies if nodes > 1 and self.world % local_world_size == 0 else 0
+        self.dst = (self.rank + local_world_size) % self.world
+        self.src = (self.rank - local_world_size) % self.world
+        entries = _entries(model, optimizer, state)
+        sd = {"s": {k: v for k, v in entries}}
+        attach_uneven_layouts(sd)  # collective: the real (maybe uneven) chunk of every DTensor
+        self.keys = [k for k, _ in entries]
+        chunks, size = _table(entries)
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, (chunks, size))  # every rank's table: what a copy of it holds
+        self.tables = {r: t for r, t in enumerate(every)}
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" and self.copies else None
+        self.gens: list[dict] = []  # newest last: {"step", "own", "peer"}
+        self._spare: list[dict] = []
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.tables[self.rank][1]
+
+    def _buffers(self) -> dict:
+        if self._spare:
+            return self._spare.pop()
+        own = torch.empty(self.shard_bytes, dtype=torch.uint8)
+        peer = torch.empty(self.tables[self.src][1], dtype=torch.uint8) if self.copies else None
+        return {"step": -1, "own": own, "peer": peer}
+
+    @torch.no_grad()
+    def capture(self, step: int) -> None:
+        """Copy this rank's state after ``step`` into host memory (and, copies=1, exchange it with the ranks of the
+        neighbouring nodes: collective). A generation is kept only once complete."""
+        gen = self._buffers()
+        table = self.tables[self.rank][0]
+        for c, (key, v) in zip(table, _entries(self.model, self.optimizer, self.state)):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            _view(gen["own"], c).copy_(local.detach().reshape(c.sizes))
+        if self.copies:
+            ops = [dist.P2POp(dist.isend, gen["own"], self.dst, group=self.group),
+                   dist.P2POp(dist.irecv, gen["peer"], self.src, group=self.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        gen["step"] = step
+        self.gens.append(gen)
+        if len(self.gens) > 2:
+            self._spare.append(self.gens.pop(0))
+
+    def holdings(self) -> dict:
+        """What this rank can give a new world: ``{(old rank, step): (generation index, "own"|"peer")}``."""
+        out = {}
+        for i, g in enumerate(self.gens):
+            out[(self.rank, g["step"])] = (i, "own")
+            if self.copies:
+                out[(self.src, g["step"])] = (i, "peer")
+        return out
+
+    def buffer(self, index: int, kind: str) -> torch.Tensor:
+        return self.gens[index][kind]
+
+
+def _covering(tables: dict, held: dict) -> Optional[tuple[int, dict]]:
+    """The newest step whose held pieces cover every chunk of the old world, and which old rank's buffer to take
+    from which holder: ``(step, {old rank: (holder, generation, kind)})``; None when no step is covered."""
+    need = {c.box() for t, _ in tables.values() for c in t}
+    for step in sorted({s for (_, s) in held}, reverse=True):
+        chosen: dict = {}
+        covered: set = set()
+        for old in sorted(tables):
+            boxes = {c.box() for c in tables[old][0]}
+            if boxes <= covered or (old, step) not in held:
+                continue
+            chosen[old] = held[(old, step)]
+            covered |= boxes
+        if need <= covered:
+            return step, chosen
+    return None
+
+
+def _intersect(a_off, a_size, b_off, b_size) -> Optional[tuple[tuple, tuple]]:
+    """Slices of the overlap of boxes a and b, relative to a and to b; None if they do not overlap."""
+    in_a, in_b = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        in_a.append(slice(lo - ao, hi - ao))
+        in_b.append(slice(lo - bo, hi - bo))
+    return tuple(in_a), tuple(in_b)
+
+
+@torch.no_grad()
+def restore(copies: Optional[MemoryCopies], model, optimizer, state: "ParallelState") -> Optional[int]:
+    """Collective over the new world: fill ``model`` / ``optimizer`` (this world's layout) from the live copies the
+    ranks hold; returns the step restored, or None when no step of the old world is covered (nothing is changed:
+    read the checkpoint). ``copies``: this rank's copies from the old world (None for a newcomer)."""
+    from megashard.checkpoint.state_dict import attach_uneven_layouts
+    from megashard.train.checkpointing import fresh_entries, put_entries
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = None
+    if copies is not None and copies.gens:
+        mine = (copies.world_id, {r: t for r, t in copies.tables.items()}, list(copies.holdings().items()))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, None if mine is None else (mine[0], mine[2]))
+    worlds = {e[0] for e in every if e is not None}
+    if len(worlds) != 1:  # nobody holds anything (a fresh start), or holders of different worlds: the checkpoint
+        return None
+    holder_of_tables = next(r for r, e in enumerate(every) if e is not None)
+    box: list[Any] = [mine[1] if rank == holder_of_tables else None]
+    dist.broadcast_object_list(box, src=holder_of_tables)
+    tables = box[0]
+    held: dict = {}
+    for holder, e in enumerate(every):
+        if e is None:
+            continue
+        for (old, step), (gen, kind) in e[1]:
+            held.setdefault((old, step), (holder, gen, kind))
+    found = _covering(tables, held)
+    if found is None:
+        return None
+    step, chosen = found
+    pieces: dict[str, list] = {}
+    for old in sorted(chosen):
+        holder, gen, kind = chosen[old]
+        table, size = tables[old]
+        buf = copies.buffer(gen, kind) if rank == holder else torch.empty(size, dtype=torch.uint8)
+        if world > 1:
+            if dist.get_backend() == "gloo":
+                dist.broadcast(buf, src=holder)
+            else:
+                _broadcast_via_device(buf, holder, state.device_type)
+        for c in table:
+            pieces.setdefault(c.key, []).append((c, _view(buf, c)))
+    targets = fresh_entries(model, optimizer, state)
+    sd = {"s": dict(targets)}
+    attach_uneven_layouts(sd)
+    chunks, _ = _table(targets)
+    for c, (key, v) in zip(chunks, targets):
+        local = v.to_local() if hasattr(v, "to_local") else v
+        dest = local.view(c.sizes) if local.numel() else local
+        filled = 0
+        for src_chunk, data in pieces.get(key, ()):
+            hit = _intersect(c.offsets, c.sizes, src_chunk.offsets, src_chunk.sizes)
+            if hit is None:
+                continue
+            dest[hit[0]].copy_(data[hit[1]])
+            filled += math.prod(s.stop - s.start for s in hit[0])
+        if filled < math.prod(c.sizes):  # replicas overlap (counted twice): only less than all is missing
+            raise RuntimeError(f"live copies: {key} not covered ({filled} of {math.prod(c.sizes)} elements)")
+    put_entries(targets, model, optimizer, state)
+    return step
+
+
+def _broadcast_via_device(buf: torch.Tensor, src: int, device_type: str) -> None:
+    """Broadcast a host buffer over the default group of a device backend (NCCL): through the device."""
+    from megashard.state.devices import current_device
+
+    dev = current_device(device_type)
+    t = buf.to(dev)
+    dist.broadcast(t, src=src)
+    buf.copy_(t.cpu())
