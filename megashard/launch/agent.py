@@ -242,6 +242,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             return EXIT_NO_RESTART if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()) else 1
         except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
             return 128 + int(e.sigval)
+        except Exception as e:  # noqa: BLE001 - a node that comes to join a job which has ended
+            if type(e).__name__ != "RendezvousClosedError":
+                raise
+            _say("the job this node came to join has ended (its rendezvous is closed): nothing to do here")
+            return 0
         finally:
             if live_dir is not None:
                 import shutil

@@ -299,6 +299,10 @@ def stopped_line(job: JobConfig, since: float) -> str:
         resume = read_marker(newest).step if newest else None
     except CheckpointError:
         resume = None
+    if job.launch.elastic:  # the other nodes may train on: this node only left the job
+        return (f"{where.replace('stopped', 'this node left the job', 1)}; the other nodes, if any, train on without "
+                "it: rerun the same command to join them again (or, once the job has ended, to resume it from "
+                + (f"step {resume})" if resume is not None else "the start)"))
     if resume is None:
         return f"{where}; no checkpoint was saved: rerun the same command to start again"
     how = "rerun the same command" if job.train.resume else "rerun without train.resume=false"

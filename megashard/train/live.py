@@ -54,7 +54,8 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
     :class:`TrainResult`."""
     from megashard.train.live_world import LiveWorld, LeftOut
     from megashard.train.loop import TrainRun
-    from megashard.train.memory_copies import MemoryCopies, restore
+    from megashard.train.checkpointing import fresh_entries, put_entries
+    from megashard.train.memory_copies import MemoryCopies, job_entries, restore
 
     if os.environ.get("MEGASHARD_LIVE_DEBUG"):
         import faulthandler
@@ -69,7 +70,9 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         try:
             run.start()
             # every rank of the world says what it holds (newcomers and a first world: nothing → the checkpoint)
-            live_step = restore(copies, run.model, run.optimizer, run.state)
+            live_step = restore(copies, lambda keys: fresh_entries(run.model, run.optimizer, run.state),
+                                lambda filled: put_entries(filled, run.model, run.optimizer, run.state),
+                                run.state.device_type)
             run.resume(live_step=live_step)
             if world.changes:
                 world.tell_agent()
@@ -79,8 +82,8 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                     raise _Move(info)
                 run.step(step)
                 if copies is None or copies.world_id != world.prefix:
-                    copies = MemoryCopies(run.model, run.optimizer, run.state, job.checkpoint.memory_copies,
-                                          world.prefix, world.local_world_size)
+                    copies = MemoryCopies(lambda r=run: job_entries(r.model, r.optimizer, r.state),
+                                          job.checkpoint.memory_copies, world.prefix, world.local_world_size)
                 copies.capture(step + 1)
                 run.save(step + 1)
             result = run.end(on_end)

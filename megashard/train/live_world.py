@@ -63,6 +63,16 @@ def debug(msg: str) -> None:
         print(f"[live {time.strftime('%H:%M:%S')} rank {os.environ.get('RANK')}] {msg}", file=sys.stderr, flush=True)
 
 
+class _NotArrived(RuntimeError):
+    """A member of a world the survivors agreed on did not arrive (lost while the world re-formed)."""
+
+
+def _arrival_s(timeout: float) -> float:
+    """How long the members of a re-formed world wait for each other: ten grace periods, at least 10 s, at most the
+    group timeout."""
+    return min(float(timeout), max(10.0, 10 * _grace()))
+
+
 class LeftOut(RuntimeError):
     """The survivors formed the new world without this worker (its node answered too late)."""
 
@@ -128,9 +138,19 @@ class LiveWorld:
         self.root.add(f"{self.prefix}/ready", 1)  # running workers of an earlier world wait for the newcomers
         self._form(self.rank, self.world_size)
 
-    def _form(self, rank: int, world_size: int) -> None:
+    def _form(self, rank: int, world_size: int, arrival_s: Optional[float] = None) -> None:
+        """The default group of world ``self.prefix``; ``arrival_s``: first wait at most that long for every member
+        to arrive (a member that died meanwhile raises :class:`_NotArrived` instead of a hang in the group's start)."""
         from megashard.train.world import node_id
 
+        if arrival_s is not None:
+            key = f"{self.prefix}/arrived"
+            self.root.add(key, 1)
+            deadline = time.monotonic() + arrival_s
+            while self.root.add(key, 0) < world_size:
+                if time.monotonic() > deadline:
+                    raise _NotArrived(self.prefix)
+                time.sleep(_POLL_S)
         if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.prefix}/pg", self.root), rank=rank,
@@ -188,44 +208,54 @@ class LiveWorld:
         finally:
             abort_groups()
 
-    def after_loss(self) -> list[int]:
-        """A peer is gone: abort this world, agree with the survivors on the next one and form it. Returns the old
-        ranks of its members (in new rank order). Raises :class:`LeftOut` when the others formed it without this
-        worker, RuntimeError when the survivors cannot agree within ``parallel.timeout``."""
-        old, p, root = self.rank, self.prefix, self.root
-        root.set(f"{p}/abort", "1")
+    def after_loss(self) -> None:
+        """A peer is gone: abort this world, agree with the survivors on the next one and form it. Raises
+        :class:`LeftOut` when the others formed it without this worker. A member that does not arrive at the new
+        world within :func:`_arrival_s` (a second node lost meanwhile) makes the members agree again, without it."""
+        root, rank, nodes, prefix = self.root, self.rank, list(self.nodes), self.prefix
+        root.set(f"{prefix}/abort", "1")
         self.leave(abort=True)
-        root.set(f"{p}/alive/{old}", "1")
-        count = root.add(f"{p}/count", 1)
-        if root.compare_set(f"{p}/leader", "", str(old)).decode() == str(old):
-            decision = self._decide(count)
-            root.set(f"{p}/decision", json.dumps(decision))
-        else:
-            root.wait([f"{p}/decision"], timedelta(seconds=self.timeout))
-            decision = json.loads(root.get(f"{p}/decision").decode())
-        members = decision["members"]
-        debug(f"decision after loss in {p}: {decision}")
-        if old not in members:
-            raise LeftOut(f"the survivors re-formed the world without rank {old} (its node answered too late)")
-        self.prefix = decision["prefix"]
-        self.changes += 1
-        # the hang doctor files each world's records apart (megashard.doctor.watch): a number of its own
-        os.environ["MEGASHARD_RDZV_ROUND"] = str(self.round * 1000 + self.changes)
-        self._form(members.index(old), len(members))
-        return members
+        while True:
+            decision = self._agree(prefix, rank, nodes)
+            members = decision["members"]
+            debug(f"decision after loss in {prefix}: {decision}")
+            if rank not in members:
+                raise LeftOut(f"the survivors re-formed the world without rank {rank} (its node answered too late)")
+            self.prefix = decision["prefix"]
+            self.changes += 1
+            # the hang doctor files each world's records apart (megashard.doctor.watch): a number of its own
+            os.environ["MEGASHARD_RDZV_ROUND"] = str(self.round * 1000 + self.changes)
+            try:
+                self._form(members.index(rank), len(members), arrival_s=_arrival_s(self.timeout))
+                return
+            except _NotArrived:  # lost again while re-forming: the members of this attempt agree once more
+                prefix, rank, nodes = self.prefix, members.index(rank), [nodes[m] for m in members]
+                root.set(f"{prefix}/abort", "1")
 
-    def _decide(self, count: int) -> dict:
-        """Leader: which old ranks form the next world (whole nodes whose ranks all registered)."""
-        p, root, n = self.prefix, self.root, self.world_size
+    def _agree(self, prefix: str, rank: int, nodes: list[str]) -> dict:
+        """Register as a survivor of world ``prefix``; the first to register decides (:meth:`_decide`)."""
+        root = self.root
+        root.set(f"{prefix}/alive/{rank}", "1")
+        count = root.add(f"{prefix}/count", 1)
+        if root.compare_set(f"{prefix}/leader", "", str(rank)).decode() == str(rank):
+            decision = self._decide(prefix, nodes, count)
+            root.set(f"{prefix}/decision", json.dumps(decision))
+            return decision
+        root.wait([f"{prefix}/decision"], timedelta(seconds=self.timeout))
+        return json.loads(root.get(f"{prefix}/decision").decode())
+
+    def _decide(self, prefix: str, nodes: list[str], count: int) -> dict:
+        """Leader: which ranks of world ``prefix`` form the next world (whole nodes whose ranks all registered)."""
+        root, n = self.root, len(nodes)
         by_node: dict[str, list[int]] = {}
-        for r, node in enumerate(self.nodes):
+        for r, node in enumerate(nodes):
             by_node.setdefault(node, []).append(r)
         deadline = time.monotonic() + self.timeout
         last, last_change, alive = count, time.monotonic(), set()
         while True:
-            now = root.add(f"{p}/count", 0)
+            now = root.add(f"{prefix}/count", 0)
             if now != last or not alive:
-                alive = {r for r in range(n) if root.check([f"{p}/alive/{r}"])}
+                alive = {r for r in range(n) if root.check([f"{prefix}/alive/{r}"])}
                 if now != last:
                     last, last_change = now, time.monotonic()
             whole = all(set(rs) <= alive or not set(rs) & alive for rs in by_node.values())
@@ -235,7 +265,7 @@ class LiveWorld:
                 break
             time.sleep(_POLL_S)
         members = sorted(r for rs in by_node.values() if set(rs) <= alive for r in rs)
-        return {"members": members, "prefix": f"{p}.{self.changes + 1}"}
+        return {"members": members, "prefix": f"{prefix}.{self.changes + 1}"}
 
     # ------------------------------------------------------------------------------------------- a join
     def _pending(self) -> Optional[RoundInfo]:

@@ -241,7 +241,9 @@ class TrainRun:
         self.writer: Any = None
         if self.rank == 0:
             self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start)
-        self.bar = ProgressBar(t.steps, start, enabled=t.progress and self.rank == 0, log_interval=t.log_interval)
+        # every node of an elastic job shows progress (a node that joined later would say nothing else): its local rank 0
+        shows = self.rank == 0 or (job.launch.elastic and os.environ.get("LOCAL_RANK") == "0")
+        self.bar = ProgressBar(t.steps, start, enabled=t.progress and shows, log_interval=t.log_interval)
         self.params = list(self.model.parameters())
         self.pipe: Any = None
         if sizes.pp > 1:

@@ -1,8 +1,11 @@
 """Live copies of the training state in host memory: what a re-formed world restores instead of a checkpoint.
 
-    copies = MemoryCopies(job, model, optimizer, state)   # per world (collective: the chunk tables of every rank)
+    copies = MemoryCopies(entries, copies=1, world_id=..., local_world_size=2)   # per world (collective)
     copies.capture(step)                                  # after every optimizer step (collective with copies=1)
-    step = restore(copies_or_None, model, optimizer, state)   # in the new world (collective): the step, or None
+    step = restore(copies_or_None, targets, put)          # in the new world (collective): the step, or None
+
+``entries()`` lists ``(key, tensor or DTensor)`` of the state to protect; :func:`job_entries` gives the training
+job's (what its checkpoints save), :func:`module_entries` any model's parameters and optimizer state.
 
 After every step each rank copies its model and optimizer shards — the global-DTensor entries a checkpoint saves
 (:func:`megashard.train.checkpointing.state_entries`) — into host memory; with ``checkpoint.memory_copies: 1`` it
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from megashard.state import ParallelState
 
-__all__ = ["MemoryCopies", "restore", "bytes_per_rank", "Chunk"]
+__all__ = ["MemoryCopies", "restore", "bytes_per_rank", "Chunk", "job_entries", "module_entries", "module_targets"]
 
 _ALIGN = 64  # byte alignment of every tensor in a flat buffer (any dtype view is legal)
 
@@ -57,12 +60,44 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
-def _entries(model, optimizer, state) -> list[tuple[str, Any]]:
-    """``(key, tensor or DTensor)`` of everything a checkpoint of the job saves, in a fixed order."""
+def job_entries(model, optimizer, state) -> list[tuple[str, Any]]:
+    """``(key, tensor or DTensor)`` of everything a checkpoint of the training job saves, in a fixed order."""
     from megashard.train.checkpointing import state_entries
 
     sd = state_entries(model, optimizer, state)
     return [(f"{section}/{name}", v) for section in ("model", "optim") for name, v in sd[section].items()]
+
+
+def module_entries(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[tuple[str, Any]]:
+    """``(key, tensor or DTensor)`` of any model's parameters (``model/<name>``) and the tensors of its optimizer's
+    state (``optim/<name>.<state key>``): DTensor parameters (FSDP2, TP) as they are, plain ones as replicated."""
+    out: list[tuple[str, Any]] = [(f"model/{n}", p.detach()) for n, p in model.named_parameters()]
+    if optimizer is not None:
+        for n, p in model.named_parameters():
+            for k, v in sorted((optimizer.state.get(p) or {}).items()):
+                if isinstance(v, torch.Tensor):
+                    out.append((f"optim/{n}.{k}", v))
+    return out
+
+
+def module_targets(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], keys: dict) -> list:
+    """:func:`module_entries` of a model just built for a new world, with the optimizer state the old world had
+    (``keys``: ``{key: (global size, dtype)}``) created first: zeros shaped like the parameter, or like the key."""
+    if optimizer is not None:
+        params = dict(model.named_parameters())
+        for key, (size, dtype) in keys.items():
+            if not key.startswith("optim/"):
+                continue
+            name, _, k = key[len("optim/"):].rpartition(".")
+            p = params.get(name)
+            if p is None:
+                continue
+            st = optimizer.state.setdefault(p, {})
+            if k not in st:
+                like = tuple(size) == tuple(p.shape)
+                st[k] = (torch.zeros_like(p.detach(), dtype=_dtype(dtype)) if like
+                         else torch.zeros(size, dtype=_dtype(dtype)))
+    return module_entries(model, optimizer)
 
 
 def _table(entries: list[tuple[str, Any]]) -> tuple[list[Chunk], int]:
@@ -98,11 +133,10 @@ class MemoryCopies:
     """This rank's live copies: its own shards and (``copies=1``) those of one rank on the previous node, for the
     newest two captured steps; the chunk tables of every rank of the world they were taken in."""
 
-    def __init__(self, model, optimizer, state: "ParallelState", copies: int, world_id: str,
-                 local_world_size: int) -> None:
+    def __init__(self, entries: Callable[[], list], copies: int, world_id: str, local_world_size: int) -> None:
         from megashard.checkpoint.state_dict import attach_uneven_layouts
 
-        self.model, self.optimizer, self.state = model, optimizer, state
+        self.entries = entries
         self.world_id = world_id
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         nodes = self.world // max(1, local_world_size)
@@ -110,7 +144,7 @@ class MemoryCopies:
         self.copies = copies if nodes > 1 and self.world % local_world_size == 0 else 0
         self.dst = (self.rank + local_world_size) % self.world
         self.src = (self.rank - local_world_size) % self.world
-        entries = _entries(model, optimizer, state)
+        entries = self.entries()
         sd = {"s": {k: v for k, v in entries}}
         attach_uneven_layouts(sd)  # collective: the real (maybe uneven) chunk of every DTensor
         self.keys = [k for k, _ in entries]
@@ -139,7 +173,7 @@ class MemoryCopies:
         neighbouring nodes: collective). A generation is kept only once complete."""
         gen = self._buffers()
         table = self.tables[self.rank][0]
-        for c, (key, v) in zip(table, _entries(self.model, self.optimizer, self.state)):
+        for c, (key, v) in zip(table, self.entries()):
             local = v.to_local() if hasattr(v, "to_local") else v
             _view(gen["own"], c).copy_(local.detach().reshape(c.sizes))
         if self.copies:
@@ -196,12 +230,15 @@ def _intersect(a_off, a_size, b_off, b_size) -> Optional[tuple[tuple, tuple]]:
 
 
 @torch.no_grad()
-def restore(copies: Optional[MemoryCopies], model, optimizer, state: "ParallelState") -> Optional[int]:
-    """Collective over the new world: fill ``model`` / ``optimizer`` (this world's layout) from the live copies the
-    ranks hold; returns the step restored, or None when no step of the old world is covered (nothing is changed:
-    read the checkpoint). ``copies``: this rank's copies from the old world (None for a newcomer)."""
+def restore(copies: Optional[MemoryCopies], targets: Callable[[dict], list], put: Optional[Callable[[list], None]],
+            device_type: str = "cpu") -> Optional[int]:
+    """Collective over the new world: fill this world's tensors from the live copies the ranks hold; returns the
+    step restored, or None when no step of the old world is covered (nothing is changed: read the checkpoint).
+
+    ``copies``: this rank's copies from the old world (None for a newcomer). ``targets(keys)``: the ``(key, tensor
+    or DTensor)`` list to fill in this world's layout (``keys``: ``{key: (global size, dtype)}`` of the old world);
+    ``put(targets)``: called once they are filled (None: they are the live tensors themselves)."""
     from megashard.checkpoint.state_dict import attach_uneven_layouts
-    from megashard.train.checkpointing import fresh_entries, put_entries
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = None
@@ -235,10 +272,11 @@ def restore(copies: Optional[MemoryCopies], model, optimizer, state: "ParallelSt
             if dist.get_backend() == "gloo":
                 dist.broadcast(buf, src=holder)
             else:
-                _broadcast_via_device(buf, holder, state.device_type)
+                _broadcast_via_device(buf, holder, device_type)
         for c in table:
             pieces.setdefault(c.key, []).append((c, _view(buf, c)))
-    targets = fresh_entries(model, optimizer, state)
+    keys = {c.key: (c.global_size, c.dtype) for t, _ in tables.values() for c in t}
+    targets = list(targets(keys))
     sd = {"s": dict(targets)}
     attach_uneven_layouts(sd)
     chunks, _ = _table(targets)
@@ -254,7 +292,8 @@ def restore(copies: Optional[MemoryCopies], model, optimizer, state: "ParallelSt
             filled += math.prod(s.stop - s.start for s in hit[0])
         if filled < math.prod(c.sizes):  # replicas overlap (counted twice): only less than all is missing
             raise RuntimeError(f"live copies: {key} not covered ({filled} of {math.prod(c.sizes)} elements)")
-    put_entries(targets, model, optimizer, state)
+    if put is not None:
+        put(targets)
     return step
 
 
