@@ -53,9 +53,12 @@ def _run_path(tmp: str, path: str, config: str, common: list, kills: list, args)
     t0 = time.perf_counter()
     killed_at, t_kills = [], []
     try:
+        run.pause()  # both nodes in the first world (a node that starts late would join first: another change)
         a = run.node("A")
         run.wait_store()
         run.node("B")
+        run.wait_for(lambda m: run.world().get("world_size") == 4, "world 4", metrics=False)
+        run.go_on()
         for i, step in enumerate(kills):
             run.wait_for(lambda m: top(m, world=4) >= step or not run.nodes[-1].alive(), f"step {step} at world 4")
             if top(run.metrics()) >= args.steps:

@@ -102,7 +102,7 @@ class LiveLoop:
                 if world.changes:
                     world.tell_agent()
                 for step in range(start, steps):
-                    info = world.join_due()
+                    info, _ = world.join_due()
                     if info is not None:
                         world.adopt(info)
                         break

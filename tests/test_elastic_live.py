@@ -107,9 +107,7 @@ def _live_scenario(tmp_path_factory, name, *, kill=1, during_save=False):
     run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra, host_store=kill == 0)
     out: dict = {"pids": []}
     try:
-        run.node("A")
-        run.wait_store()
-        run.node("B")
+        _start_at_world(run, 4)
         run.wait_for(lambda m: top(m, world=4) >= 5, "step 5 at world 4")
         survivor = run.nodes[1 - kill]
         mine = lambda: {p for p, pp in _worker_pids(run.out).items() if _agent_of(pp) == survivor.proc.pid}  # noqa: E731
@@ -139,6 +137,18 @@ def _live_scenario(tmp_path_factory, name, *, kill=1, during_save=False):
         run.stop_all()
     out["left_behind"] = _left_behind(run)
     return tmp, run, out
+
+
+def _start_at_world(run: ElasticRun, world: int) -> None:
+    """Nodes A, B (, C) started, held before the first step until the world has ``world`` processes (a node that
+    starts late joins the one before it at a step boundary)."""
+    run.pause()
+    run.node("A")
+    run.wait_store()
+    for name in ("B", "C")[: world // 2 - 1]:
+        run.node(name)
+    run.wait_for(lambda m: run.world().get("world_size") == world, f"the world of {world}", metrics=False)
+    run.go_on()
 
 
 def _agent_of(ppid: int) -> int:
@@ -217,9 +227,8 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = ElasticRun(os.path.join(tmp, "el"), config, common + extra, nnodes="1:3")
     try:
-        a = run.node("A")
-        run.wait_store()
-        run.node("B")
+        _start_at_world(run, 4)
+        a = run.nodes[0]
         run.wait_for(lambda m: top(m, world=4) >= 3, "step 3 at world 4")
         run.nodes[1].kill()
         run.node("B2")  # flapping: back at once

@@ -52,7 +52,7 @@ def _broken(world: Any, e: BaseException) -> bool:
 def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) -> TrainResult:
     """Train ``job`` across world changes in this process (see the module docstring). Returns the last world's
     :class:`TrainResult`."""
-    from megashard.train.live_world import LiveWorld, LeftOut
+    from megashard.train.live_world import LiveWorld, LeftOut, debug
     from megashard.train.loop import TrainRun
     from megashard.train.checkpointing import fresh_entries, put_entries
     from megashard.train.memory_copies import MemoryCopies, job_entries, restore
@@ -62,6 +62,8 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         import signal
 
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    pause = os.environ.get("MEGASHARD_PAUSE_FILE") or None
+    _preload()  # a newcomer says it is ready only once what the first step needs is imported
     world = LiveWorld.from_env(job.parallel)
     world.join()
     copies: Optional[MemoryCopies] = None  # this process's copies of the newest world that captured any
@@ -69,15 +71,19 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         run = TrainRun(job)
         try:
             run.start()
+            debug("built")
             # every rank of the world says what it holds (newcomers and a first world: nothing → the checkpoint)
             live_step = restore(copies, lambda keys: fresh_entries(run.model, run.optimizer, run.state),
                                 lambda filled: put_entries(filled, run.model, run.optimizer, run.state),
                                 run.state.device_type)
+            debug(f"restored {live_step}")
             run.resume(live_step=live_step)
+            debug("resumed")
+            run.pause_file = None  # the pause is every rank's decision here (_boundary)
             if world.changes:
                 world.tell_agent()
             for step in range(run.result.start_step, job.train.steps):
-                info = world.join_due()
+                info = _boundary(world, pause)
                 if info is not None:
                     raise _Move(info)
                 run.step(step)
@@ -103,6 +109,35 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                 from megashard.errors import PeerLostError
 
                 raise PeerLostError(str(left)) from None
+
+
+def _boundary(world: Any, pause: Optional[str]) -> Any:
+    """At a step boundary: the round to move to (a node joined), else None once no rank holds the world here
+    (``MEGASHARD_PAUSE_FILE``, tests and benchmarks: held while the file exists, decided by every rank together)."""
+    import time
+
+    while True:
+        info, held = world.join_due(hold=pause is not None and os.path.exists(pause))
+        if info is not None or not held:
+            return info
+        time.sleep(0.05)
+
+
+def _preload() -> None:
+    """Import what building, restoring and training a world needs (imports are lazy elsewhere: a newcomer that
+    imported them after the others left their world would keep them waiting)."""
+    import megashard.checkpoint.state_dict  # noqa: F401
+    import megashard.progress  # noqa: F401
+    import megashard.train.build  # noqa: F401
+    import megashard.train.checkpointing  # noqa: F401
+    import megashard.train.data  # noqa: F401
+    import megashard.train.metrics  # noqa: F401
+    import megashard.train.pipeline  # noqa: F401
+    import megashard.train.startpoint  # noqa: F401
+    import megashard.train.world  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
 
 def _close(run: Any) -> None:

@@ -60,7 +60,7 @@ def debug(msg: str) -> None:
     if os.environ.get("MEGASHARD_LIVE_DEBUG"):
         import sys
 
-        print(f"[live {time.strftime('%H:%M:%S')} rank {os.environ.get('RANK')}] {msg}", file=sys.stderr, flush=True)
+        print(f"[live {time.time() % 100:7.3f} rank {os.environ.get('RANK')}] {msg}", file=sys.stderr, flush=True)
 
 
 class _NotArrived(RuntimeError):
@@ -288,22 +288,25 @@ class LiveWorld:
             return None
         return info
 
-    def join_due(self) -> Optional[RoundInfo]:
-        """At a step boundary (collective over the world): whether every rank moves to a new round now. A rank sees
-        its agent's round once the newcomers are ready; one all-reduce (MAX) makes it every rank's decision."""
+    def join_due(self, hold: bool = False) -> tuple[Optional[RoundInfo], bool]:
+        """At a step boundary (collective over the world): whether every rank moves to a new round now, and whether
+        any rank wants to hold the world here (``hold``: tests and benchmarks pause a world between steps; the
+        decision must be every rank's, or the ranks would leave the pause at different steps). A rank sees its
+        agent's round once the newcomers are ready; one all-reduce (MAX) of both flags decides for every rank."""
         info = self._pending()
         ready = 0
         if info is not None:
             newcomers = info.world_size - self.world_size
             ready = int(newcomers <= 0 or self.root.add(f"r{info.round}/ready", 0) >= newcomers)
+        held = int(hold)
         if self.world_size > 1:
             from megashard.state.devices import current_device
 
-            flag = torch.tensor([ready], dtype=torch.int32, device=current_device(self.device_type))
+            flag = torch.tensor([ready, held], dtype=torch.int32, device=current_device(self.device_type))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            ready = int(flag.item())
+            ready, held = (int(v) for v in flag.tolist())
         if not ready:
-            return None
+            return None, bool(held)
         debug(f"join due: {info}")
         deadline = time.monotonic() + self.timeout
         while info is None or info.round <= self.round:  # another rank saw it first: this agent's file follows
@@ -311,7 +314,7 @@ class LiveWorld:
                 raise RuntimeError("megashard live: the agent did not hand over the new rendezvous round in time")
             time.sleep(_POLL_S)
             info = self._pending()
-        return info
+        return info, bool(held)
 
     def adopt(self, info: RoundInfo) -> None:
         """Leave this world (healthy: destroyed, not aborted) and form the round's."""
