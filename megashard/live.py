@@ -72,7 +72,7 @@ class LiveLoop:
 
     def run(self, steps: int) -> int:
         """Train until step ``steps``; returns it. Every rank calls it."""
-        import megashard
+        from megashard import state as megashard
         from megashard.train.live_world import LIVE_STORE_ENV, LeftOut, LiveWorld
 
         if not os.environ.get(LIVE_STORE_ENV) or os.environ.get("MEGASHARD_RECOVERY") != "live":

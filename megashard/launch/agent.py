@@ -39,6 +39,8 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
+from megashard.processes import is_peer_loss  # noqa: E402 - re-exported (workers, user scripts)
+
 __all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit", "is_elastic"]
 
 EXIT_PEER_LOST = 75
@@ -47,35 +49,12 @@ EXIT_NO_RESTART = 2
 """Exit code of a worker that stopped on a megashard error (:class:`megashard.errors.MegashardError`): the same
 start would fail the same way, so the agent does not restart the job (and exits with this code itself)."""
 
-#: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
-_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
-              "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed")
-
 # torch's elastic log messages replaced by megashard's own lines (matched on the unformatted template).
 _FAILED = "failed (exitcode"
 _RESTART = "attempts left; will restart worker group"
 _JOINED = "new nodes from group_rank"
 _QUIET = ("closing signal", "death signal", "Got termination signal", "Setting OMP_NUM_THREADS",
           "config has no run_id")
-
-
-def is_peer_loss(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
-    import torch.distributed as dist
-
-    from megashard.errors import PeerLostError
-
-    seen = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (PeerLostError, getattr(dist, "DistNetworkError", ()))):
-            return True
-        text = str(e).lower()
-        if any(s in text for s in _PEER_LOSS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def is_elastic(nnodes: Any) -> bool:

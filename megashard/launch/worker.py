@@ -166,7 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
             return 1
         startwatch.mark("joined")
-        train(job)
+        if live_enabled(job):  # across world changes, in this process
+            from megashard.train.live import train_live
+
+            train_live(job)
+        else:
+            train(job)
     except KeyboardInterrupt:  # torchrun forwards Ctrl-C; it reports the interruption itself
         return 130
     except Exception as e:

@@ -39,7 +39,7 @@ class _Move(Exception):
 
 def _broken(world: Any, e: BaseException) -> bool:
     """Whether ``e`` means the world is broken (a peer went away, or another survivor already aborted it)."""
-    from megashard.launch.agent import is_peer_loss
+    from megashard.processes import is_peer_loss
 
     if is_peer_loss(e) or "abort" in str(e).lower():
         return True
@@ -142,12 +142,15 @@ def _preload() -> None:
 
 def _close(run: Any) -> None:
     """Let go of a run whose world ends (a broken one may fail to release parts: nothing of it is needed)."""
+    from megashard.processes import quiet_stderr
+
     try:
         if getattr(run, "bar", None) is not None:
             run.bar.close()
         if getattr(run, "writer", None) is not None:
             run.writer.close()
-        run.close()
+        with quiet_stderr(True):  # C++ warnings of the broken groups' teardown: the new world's lines say it
+            run.close()
     except Exception as e:  # noqa: BLE001
         print(f"megashard run: rank {getattr(run, 'rank', '?')}: while leaving the broken world: "
               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)

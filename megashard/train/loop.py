@@ -112,16 +112,11 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
     ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
     to compare parameters). Returns a :class:`TrainResult` on every rank.
 
-    An elastic job with ``launch.recovery: live`` under megashard's agent keeps training across world changes in
-    this process (:mod:`megashard.train.live`).
+    (An elastic job with ``launch.recovery: live`` under megashard's agent trains with
+    :func:`megashard.train.live.train_live` instead: across world changes, in the same processes.)
     """
-    from megashard.train.live_world import live_enabled
-
-    if live_enabled(job):
-        from megashard.train.live import train_live
-
-        return train_live(job, on_end=on_end)
     run = TrainRun(job)
+    lost = False
     try:
         run.start()
         run.resume()
@@ -129,8 +124,17 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             run.step(step)
             run.save(step + 1)
         return run.end(on_end)
+    except BaseException as e:
+        from megashard.processes import is_peer_loss
+
+        lost = isinstance(e, Exception) and is_peer_loss(e)
+        raise
     finally:
-        run.close()
+        from megashard.processes import quiet_stderr
+
+        with quiet_stderr(lost):  # torch's C++ warnings of a store whose host died (~50 lines each): the agent says it
+            run.close()
+
 
 
 class TrainRun:
