@@ -93,6 +93,42 @@ def _run_path(tmp: str, path: str, config: str, common: list, kills: list, args)
             "metrics": got, "out": run.out}
 
 
+def by_hand(steps: int = 200, kill_at: int = 25) -> int:
+    """Issue 36's case as a user runs it: two launchers on localhost (``launch.nnodes=1:2``, 2 processes each, the
+    second started after the first, torchrun's default rendezvous timeouts), the default job with ``parallel.tp=2
+    parallel.dp_outer=auto parallel.dp_shard=1`` (each node a full replica), ``checkpoint.interval=10``; the second
+    launcher SIGKILLed at step ``kill_at`` or later, a new one started once the survivor trains alone. Prints both
+    ``world_change`` records."""
+    from tests._elastic import ElasticRun, top
+
+    tmp = tempfile.mkdtemp(prefix="megashard-bench-byhand-")
+    load0 = os.getloadavg()
+    run = ElasticRun(os.path.join(tmp, "run"), "configs/default.yaml",
+                     ["parallel.tp=2", "parallel.dp_outer=auto", "parallel.dp_shard=1", "checkpoint.interval=10",
+                      f"train.steps={steps}", "train.plot=false"], last_call=30, node_timeout=15, timeout=1800)
+    try:
+        a = run.node("A")
+        run.wait_store()
+        run.node("B")
+        run.wait_for(lambda m: top(m, world=4) >= kill_at, f"step {kill_at} at world 4")
+        t_kill = run.nodes[1].kill()
+        run.wait_for(lambda m: any(r.get("world_size") == 2 and r["time"] > t_kill for r in m), "training alone")
+        b2 = run.node("B2")
+        codes = [a.wait(run.timeout), b2.wait(run.timeout)]
+        changes = [(r["step"], r["world_size"], r["world_change"]) for r in run.metrics()
+                   if "world_change" in r and r["step"] > 1]
+    finally:
+        run.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"by hand: {steps} steps, tp=2 dp_outer=auto dp_shard=1, checkpoint every 10, second launcher SIGKILLed at "
+          f"step >= {kill_at}, a new one started once the survivor trained alone; exit codes {codes}")
+    for step, world, c in changes:
+        print(f"  step {step}: world {c['world_size_before']} → {world}: steps_redone {c['steps_redone']}, seconds_down "
+              f"{c['seconds_down']}, state from {c.get('state_from')}")
+    print(f"machine load before {load0[0]:.1f}, after {os.getloadavg()[0]:.1f} (1-min average; {os.cpu_count()} cores)")
+    return 0 if codes == [0, 0] else 1
+
+
 def main(argv=None) -> int:
     from statistics import median
 
@@ -108,7 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--last-call", type=int, default=3, help="launch.rdzv_last_call (s)")
     ap.add_argument("--paths", default="live,restart", help="launch.recovery values to run, comma-separated")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    ap.add_argument("--by-hand", action="store_true", help="only issue 36's two-launcher case (live recovery, HSDP)")
     args = ap.parse_args(argv)
+    if args.by_hand:
+        return by_hand()
     rng = random.Random(args.seed)
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="megashard-bench-elastic-")
@@ -149,18 +188,22 @@ def main(argv=None) -> int:
     print(f"uninterrupted world-4 run: {t_ref:.1f} s")
     for path, res in results.items():
         rows = res["rows"]
-        to = [r["to_step"] for r in rows if r["to_step"] is not None]
+        to = [r["to_step"] for r in rows if r["to_step"] is not None and r["event"] == "node left"]
         res["median_to_step"] = median(to) if to else None
+        joins = [r["to_step"] for r in rows if r["to_step"] is not None and r["event"] == "node joined"]
+        res["median_join_down"] = median(joins) if joins else None
         res["steps_redone"] = sum(r["steps_redone"] for r in rows)
         res["max_steps_redone"] = max((r["steps_redone"] for r in rows), default=0)
         res["checkpoint_reads"] = sum(r["state_from"] == "checkpoint" for r in rows)
         med = "?" if res["median_to_step"] is None else f"{res['median_to_step']:.1f} s"
-        print(f"{path}: {len(rows)} changes, median {med} to a step, {res['steps_redone']} steps redone (at most "
+        jmed = "?" if res["median_join_down"] is None else f"{res['median_join_down']:.1f} s"
+        print(f"{path}: {len(rows)} changes, median {med} from a kill to the next step, {jmed} down per join, "
+              f"{res['steps_redone']} steps redone (at most "
               f"{res['max_steps_redone']} per change), {res['checkpoint_reads']} checkpoint reads; run {res['seconds']:.1f} s "
               f"(ratio {res['ratio']:.2f} to uninterrupted); largest relative loss difference "
               f"{res['max_loss_rel_diff']:.1e}; exit codes {res['codes']}")
     if {"live", "restart"} <= set(results) and results["live"]["median_to_step"] and results["restart"]["median_to_step"]:
-        print(f"live / restart, median time to a step after a change: "
+        print(f"live / restart, median time from a kill to the next step: "
               f"{results['live']['median_to_step'] / results['restart']['median_to_step']:.2f}")
     print(f"machine load before {load0[0]:.1f}, after {load1[0]:.1f} (1-min average; {os.cpu_count()} cores)")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

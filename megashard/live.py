@@ -84,9 +84,10 @@ class LiveLoop:
                 self.last = self.train_step(self.model, self.optimizer, state, step)
             return steps
         from megashard.errors import PeerLostError
-        from megashard.train.live import _broken
+        from megashard.train.live import _boundary, _broken
         from megashard.train.memory_copies import MemoryCopies, module_entries, module_targets, restore
 
+        pause = os.environ.get("MEGASHARD_PAUSE_FILE") or None  # tests: hold the world between steps
         world = LiveWorld.from_env(self.parallel)
         world.join()
         copies: Optional[MemoryCopies] = None
@@ -102,7 +103,7 @@ class LiveLoop:
                 if world.changes:
                     world.tell_agent()
                 for step in range(start, steps):
-                    info, _ = world.join_due()
+                    info = _boundary(world, pause)
                     if info is not None:
                         world.adopt(info)
                         break

@@ -54,6 +54,24 @@ def _worker_pids(out: str) -> dict:
     return found
 
 
+def _worker_pids_of(script: str) -> dict:
+    """``{pid: parent pid}`` of the live processes running ``script``."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode("utf-8", "replace")
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if script in cmd and "megashard.launch.agent" not in cmd:
+            found[int(pid)] = ppid
+    return found
+
+
 def _left_behind(run: ElasticRun) -> list:
     """Processes of the run still alive after every launcher ended (a second to let them go)."""
     deadline = time.monotonic() + 10
@@ -255,4 +273,100 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
     # so the survivor reads the newest checkpoint — in the same processes
     assert changes[-1]["world_size_before"] in (4, 6) and changes[-1]["state_from"] in ("memory", "checkpoint"), changes
     log = a.log()
+    assert "Traceback" not in log and "frame #" not in log, log
+
+
+def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
+    """megashard.live.LiveLoop around a loop of the user's own (tests/_live_loop_script.py: FSDP2 over dp, AdamW),
+    two launchers of megashard's agent with MEGASHARD_RECOVERY=live: one killed, one joining; the losses and the final
+    parameters equal an uninterrupted world-4 run of the same script (float64), from memory, processes kept."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests._elastic import ROOT, Node, free_port
+
+    script = os.path.join(ROOT, "tests", "_live_loop_script.py")
+    steps = 14
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           script, str(steps)], cwd=ROOT, env={**env, "LIVE_LOOP_OUT": str(ref)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    live = tmp_path / "live"
+    live.mkdir()
+    pause = str(tmp_path / "pause")
+    port = free_port()
+    argv = [sys.executable, "-m", "megashard.launch.agent", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"loop-{port}",
+            "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts", "0",
+            script, str(steps)]
+    lenv = {**env, "LIVE_LOOP_OUT": str(live), "MEGASHARD_PAUSE_FILE": pause, "MEGASHARD_RECOVERY": "live"}
+
+    def records():
+        try:
+            with open(live / "losses.jsonl", encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except OSError:
+            return []
+
+    def world_size():
+        try:
+            with open(live / "world.json", encoding="utf-8") as f:
+                return json.load(f)["world_size"]
+        except (OSError, ValueError):
+            return 0
+
+    def wait(cond, what, timeout=300):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, (what, [n.log()[-3000:] for n in nodes])
+            time.sleep(0.1)
+
+    nodes = []
+    try:
+        open(pause, "w").close()  # both nodes in the first world
+        nodes.append(Node("A", argv, lenv, str(tmp_path / "A.log")))
+        nodes.append(Node("B", argv, lenv, str(tmp_path / "B.log")))
+        wait(lambda: world_size() == 4, "world 4")
+        pids = {p for p, pp in _worker_pids_of(script).items() if _agent_of(pp) == nodes[0].proc.pid}
+        os.remove(pause)
+        wait(lambda: any(r["world_size"] == 4 and r["step"] >= 4 for r in records()), "step 4 at world 4")
+        open(pause, "w").close()
+        t_kill = nodes[1].kill()
+        wait(lambda: world_size() == 2, "world 2")
+        os.remove(pause)
+        wait(lambda: any(r["world_size"] == 2 and r["time"] > t_kill for r in records()), "steps at world 2")
+        open(pause, "w").close()
+        nodes.append(Node("B2", argv, lenv, str(tmp_path / "B2.log")))
+        wait(lambda: world_size() == 4, "world 4 again")
+        kept = {p for p, pp in _worker_pids_of(script).items() if _agent_of(pp) == nodes[0].proc.pid}
+        os.remove(pause)
+        assert nodes[0].wait(600) == 0, nodes[0].log()
+        assert nodes[2].wait(600) == 0, nodes[2].log()
+    finally:
+        for n in nodes:
+            if n.alive():
+                os.killpg(n.proc.pid, signal.SIGKILL)
+    assert len(pids) == 2 and kept == pids, (pids, kept)
+    with open(ref / "losses.jsonl", encoding="utf-8") as f:
+        want = {json.loads(line)["step"]: json.loads(line)["loss"] for line in f}
+    got: dict = {}
+    for r in records():
+        got[r["step"]] = r["loss"]  # a step trained again after a loss replaces the first
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    a, b = torch.load(ref / "params.pt"), torch.load(live / "params.pt")
+    pworst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"\nLiveLoop: largest relative loss difference {worst:.2e}, parameters {pworst:.2e}")
+    assert worst <= TOLERANCE and pworst <= 1e-9, (worst, pworst)
+    worlds = json.load(open(live / "worlds.json", encoding="utf-8"))
+    assert [w["state_from"] for w in worlds[1:]] and all(w["state_from"] == "memory" for w in worlds[1:]), worlds
+    assert any(w["world_size"] == 2 for w in worlds), worlds
+    log = nodes[0].log()
     assert "Traceback" not in log and "frame #" not in log, log
