@@ -96,6 +96,20 @@ def rendezvous_agent(agent, worker_group) -> list:  # noqa: ANN001
     return [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers]
 
 
+def rendezvous_dropped(handler) -> bool:  # noqa: ANN001
+    """Whether torch's dynamic rendezvous (private ``_state_holder``, ``_this_node``) dropped this node from the round
+    it belongs to — its heartbeats came too late and a newer round formed without it. False where unknown."""
+    holder, me = getattr(handler, "_state_holder", None), getattr(handler, "_this_node", None)
+    if holder is None or me is None:
+        return False
+    try:
+        holder.sync()
+        state = holder.state
+    except Exception:  # noqa: BLE001 - the backend is unreachable: not this check's to say
+        return False
+    return bool(state.complete) and me not in state.participants and me not in getattr(state, "wait_list", ())
+
+
 def set_group_world_size(worker_group, nodes: int) -> None:  # noqa: ANN001
     """The nodes of the world after a live loss (the agent's exit barrier waits for that many)."""
     worker_group.group_world_size = int(nodes)

@@ -34,6 +34,7 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
         RENDEZVOUS_ROUND_ENV,
         elastic_agent_live_hooks,
         rendezvous_agent,
+        rendezvous_dropped,
         set_group_world_size,
     )
     from megashard.train.live_world import LIVE_DIR_ENV, LIVE_STORE_ENV, ROUND_FILE
@@ -51,6 +52,21 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
         return True
 
     def on_monitor(agent, worker_group) -> None:  # noqa: ANN001
+        if not seen.get("dropped") and rendezvous_dropped(worker_group.spec.rdzv_handler):
+            # a world formed without this node (its heartbeats came too late): two worlds must not train one job
+            seen["dropped"] = 1.0
+            say("this node was dropped from the rendezvous (no heartbeat within launch.rdzv_node_timeout: an "
+                "overloaded machine or network) and the others went on without it: its workers stop; start it "
+                "again to rejoin")
+            import signal
+
+            for w in worker_group.workers:
+                if w.id:
+                    try:
+                        os.kill(int(w.id), signal.SIGKILL)
+                    except (OSError, ValueError):
+                        pass
+            return
         path = os.path.join(where, "nodes.json")
         try:
             mtime = os.stat(path).st_mtime
