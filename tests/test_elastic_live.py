@@ -373,3 +373,58 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
     assert any(w["world_size"] == 2 for w in worlds), worlds
     log = nodes[0].log()
     assert "Traceback" not in log and "frame #" not in log, log
+
+
+@pytest.mark.parametrize("override, field", [("launch.recovery=inplace", "launch.recovery='inplace'"),
+                                             ("checkpoint.memory_copies=2", "checkpoint.memory_copies=2")])
+def test_a_bad_recovery_setting_is_one_line_naming_the_field_and_the_choices(override, field):
+    from megashard.errors import ConfigError
+    from megashard.train.config import JobConfig
+
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_yaml("configs/default.yaml", [override, "launch.nnodes=1:2", "launch.nproc_per_node=2",
+                                                     "launch.rdzv_endpoint=localhost:29500"]).validate()
+    text = str(e.value)
+    assert field in text and "\n" not in text, text
+    assert ("live" in text and "restart" in text) if "recovery" in field else "0 or 1" in text, text
+
+
+def test_ctrl_c_on_an_elastic_launcher_says_the_job_goes_on_without_this_node(tmp_path):
+    """Issue 40: the advice after a Ctrl-C is true for an elastic job (the other nodes train on; rerunning joins
+    them), and unchanged for a job of fixed size."""
+    import json
+
+    from megashard.launch.launcher import stopped_line
+    from megashard.train.config import JobConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0, "time": 100.0}) + "\n")
+    elastic = JobConfig.from_yaml("configs/default.yaml", [f"train.out_dir={out}", "launch.nnodes=1:2"])
+    assert stopped_line(elastic, 50.0) == (
+        "this node left the job at step 7; the other nodes, if any, train on without it: rerun the same command to "
+        "join them again (or, once the job has ended, to resume it from the start)")
+    fixed = JobConfig.from_yaml("configs/default.yaml", [f"train.out_dir={out}"])
+    assert stopped_line(fixed, 50.0) == "stopped at step 7; no checkpoint was saved: rerun the same command to start again"
+
+
+def test_the_rendezvous_host_lost_stops_the_survivor_in_one_line(tmp_path):
+    """Node A hosts the rendezvous store (launch.rdzv_endpoint): when it is killed the survivor cannot form a world
+    without the store; it says so in one line, ends, and leaves nothing running or half-written."""
+    from megashard.checkpoint.safety import list_checkpoints
+
+    config, extra = SCENARIOS["tp2-fsdp"]
+    run = ElasticRun(str(tmp_path / "el"), config, COMMON + extra, node_timeout=NODE_TIMEOUT)
+    try:
+        _start_at_world(run, 4)
+        run.wait_for(lambda m: top(m, world=4) >= 4, "step 4 at world 4")
+        run.nodes[0].kill()
+        code = run.nodes[1].wait(run.timeout)
+    finally:
+        run.stop_all()
+    log = run.nodes[1].log()
+    assert code != 0, log
+    assert log.count("the rendezvous host (localhost:") == 1, log
+    assert "cannot re-form without its store" in log and "Traceback" not in log and "frame #" not in log, log
+    assert _left_behind(run) == []
+    assert all(e.complete for e in list_checkpoints(os.path.join(run.out, "checkpoints")))

@@ -64,6 +64,8 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     pause = os.environ.get("MEGASHARD_PAUSE_FILE") or None
     _preload()  # a newcomer says it is ready only once what the first step needs is imported
+    if int(os.environ.get("MEGASHARD_RDZV_ROUND", "0") or 0) > 0:  # maybe joining a running world: build once first
+        _warm_up(job)
     world = LiveWorld.from_env(job.parallel)
     world.join()
     copies: Optional[MemoryCopies] = None  # this process's copies of the newest world that captured any
@@ -101,14 +103,23 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         except Exception as e:  # noqa: BLE001 - a broken world is handled here, anything else is re-raised
             if not _broken(world, e):
                 raise
-            world.signal_abort()
-            _close(run)
             try:
+                world.signal_abort()
+                _close(run)
                 world.after_loss()
             except LeftOut as left:
                 from megashard.errors import PeerLostError
 
                 raise PeerLostError(str(left)) from None
+            except Exception as lost:  # noqa: BLE001 - the store itself is gone
+                if not world.store_alive():
+                    from megashard.errors import MegashardError
+
+                    raise MegashardError(
+                        f"the rendezvous host ({os.environ.get('MEGASHARD_LIVE_STORE')}) is gone, with the node that "
+                        "was lost: the world cannot re-form without its store; this node stops — start the job again "
+                        "with launch.rdzv_endpoint on a surviving node to resume from its newest checkpoint") from None
+                raise lost
 
 
 def _boundary(world: Any, pause: Optional[str]) -> Any:
@@ -121,6 +132,31 @@ def _boundary(world: Any, pause: Optional[str]) -> Any:
         if info is not None or not held:
             return info
         time.sleep(0.05)
+
+
+def _warm_up(job: JobConfig) -> None:
+    """Build the model once on torch's ``fake`` backend (no communication) before saying ready: a newcomer's first
+    build is slow (first calls of every kernel and dispatch path), and the running world would wait for it."""
+    import torch.distributed as dist
+
+    import megashard.state as ms
+    from megashard._compat import fake_store
+    from megashard.state.pool import release_process_groups
+    from megashard.train.build import build
+
+    try:
+        dist.init_process_group("fake", store=fake_store(), rank=int(os.environ.get("RANK", "0")),
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        try:
+            build(job, ms.initialize(job.parallel))
+        finally:
+            ms.destroy()
+            release_process_groups()
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - only a head start: the real world builds it again anyway
+        from megashard.train.live_world import debug
+
+        debug(f"warm-up skipped: {type(e).__name__}: {e}")
 
 
 def _preload() -> None:

@@ -333,6 +333,14 @@ class LiveWorld:
                 json.dump({"nodes": len(set(self.nodes)), "round": self.round}, f)
             os.replace(tmp, path)
 
+    def store_alive(self) -> bool:
+        """Whether the rendezvous store answers (its host may be the node that was lost)."""
+        try:
+            self.root.check(["alive?"])
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
     def close(self) -> None:
         self._stop.set()
 
