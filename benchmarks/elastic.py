@@ -48,8 +48,9 @@ def _run_path(tmp: str, path: str, config: str, common: list, kills: list, args)
     joining as soon as the survivor trains alone."""
     from tests._elastic import ElasticRun, top
 
+    node_timeout = args.live_node_timeout if path == "live" else args.node_timeout
     run = ElasticRun(os.path.join(tmp, path), config, common + [f"launch.recovery={path}"], last_call=args.last_call,
-                     node_timeout=args.node_timeout, timeout=1800)
+                     node_timeout=node_timeout, timeout=1800)
     t0 = time.perf_counter()
     killed_at, t_kills = [], []
     try:
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--node-timeout", type=int, default=3, help="launch.rdzv_node_timeout (s)")
+    ap.add_argument("--live-node-timeout", type=int, default=10,
+                    help="launch.rdzv_node_timeout (s) of the live path: a survivor does not wait for it (only a join "
+                         "does), and on a loaded machine a short one drops nodes whose heartbeats come late")
     ap.add_argument("--last-call", type=int, default=3, help="launch.rdzv_last_call (s)")
     ap.add_argument("--paths", default="live,restart", help="launch.recovery values to run, comma-separated")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
@@ -176,8 +180,8 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()
     print(f"elastic training: {args.kills} node(s) killed at steps {kills} (world 4), each followed by a node joining; "
-          f"{args.steps} steps, checkpoint every {args.interval}, {args.dtype}, rdzv_node_timeout={args.node_timeout} s, "
-          f"rdzv_last_call={args.last_call} s")
+          f"{args.steps} steps, checkpoint every {args.interval}, {args.dtype}, rdzv_node_timeout={args.node_timeout} s "
+          f"(live: {args.live_node_timeout} s), rdzv_last_call={args.last_call} s")
     print(f"{'path':<8} {'#':>2}  {'event':<11} {'world':<6} {'step':>5} {'resumed':>7} {'redone':>6} {'s to a step':>11} "
           f"{'state from':<10}")
     for path, res in results.items():

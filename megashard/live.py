@@ -73,7 +73,7 @@ class LiveLoop:
     def run(self, steps: int) -> int:
         """Train until step ``steps``; returns it. Every rank calls it."""
         from megashard import state as megashard
-        from megashard.train.live_world import LIVE_STORE_ENV, LeftOut, LiveWorld
+        from megashard.train.live_world import LIVE_STORE_ENV, JobEnded, LeftOut, LiveWorld
 
         if not os.environ.get(LIVE_STORE_ENV) or os.environ.get("MEGASHARD_RECOVERY") != "live":
             state = megashard.initialize(self.parallel)
@@ -89,7 +89,10 @@ class LiveLoop:
 
         pause = os.environ.get("MEGASHARD_PAUSE_FILE") or None  # tests: hold the world between steps
         world = LiveWorld.from_env(self.parallel)
-        world.join()
+        try:
+            world.join()
+        except JobEnded:
+            return steps
         copies: Optional[MemoryCopies] = None
         while True:
             try:
@@ -113,7 +116,7 @@ class LiveLoop:
                                               world.prefix, world.local_world_size)
                     copies.capture(step + 1)
                 else:
-                    world.close()
+                    world.close(ended=True)
                     return steps
             except Exception as e:  # noqa: BLE001 - a broken world is handled here, anything else is re-raised
                 if not _broken(world, e):

@@ -52,7 +52,7 @@ def _broken(world: Any, e: BaseException) -> bool:
 def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) -> TrainResult:
     """Train ``job`` across world changes in this process (see the module docstring). Returns the last world's
     :class:`TrainResult`."""
-    from megashard.train.live_world import LiveWorld, LeftOut, debug
+    from megashard.train.live_world import JobEnded, LiveWorld, LeftOut, debug
     from megashard.train.loop import TrainRun
     from megashard.train.checkpointing import fresh_entries, put_entries
     from megashard.train.memory_copies import MemoryCopies, job_entries, restore
@@ -67,7 +67,13 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
     if int(os.environ.get("MEGASHARD_RDZV_ROUND", "0") or 0) > 0:  # maybe joining a running world: build once first
         _warm_up(job)
     world = LiveWorld.from_env(job.parallel)
-    world.join()
+    try:
+        world.join()
+    except JobEnded:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("megashard run: the job ended before this node could join it: nothing to do", file=sys.stderr,
+                  flush=True)
+        return TrainResult(start_step=job.train.steps, final_step=job.train.steps, out_dir=job.out_dir)
     copies: Optional[MemoryCopies] = None  # this process's copies of the newest world that captured any
     while True:
         run = TrainRun(job)
@@ -95,7 +101,7 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                 copies.capture(step + 1)
                 run.save(step + 1)
             result = run.end(on_end)
-            world.close()
+            world.close(ended=True)
             return result
         except _Move as m:
             _close(run)

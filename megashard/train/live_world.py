@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LiveWorld", "LeftOut", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
+__all__ = ["LiveWorld", "LeftOut", "JobEnded", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
 
 LIVE_STORE_ENV = "MEGASHARD_LIVE_STORE"
 """``host:port`` of the rendezvous store, exported to the workers by megashard's agent in live mode."""
@@ -71,6 +71,10 @@ def _arrival_s(timeout: float) -> float:
     """How long the members of a re-formed world wait for each other: ten grace periods, at least 10 s, at most the
     group timeout."""
     return min(float(timeout), max(10.0, 10 * _grace()))
+
+
+class JobEnded(RuntimeError):
+    """The job ended before the world this worker came to join formed (a node that joined at the very end)."""
 
 
 class LeftOut(RuntimeError):
@@ -136,7 +140,7 @@ class LiveWorld:
     def join(self) -> None:
         """Form the default group of this round's world (this worker's first; RANK / WORLD_SIZE from torchrun)."""
         self.root.add(f"{self.prefix}/ready", 1)  # running workers of an earlier world wait for the newcomers
-        self._form(self.rank, self.world_size)
+        self._form(self.rank, self.world_size, arrival_s=self.timeout)
 
     def _form(self, rank: int, world_size: int, arrival_s: Optional[float] = None) -> None:
         """The default group of world ``self.prefix``; ``arrival_s``: first wait at most that long for every member
@@ -148,6 +152,8 @@ class LiveWorld:
             self.root.add(key, 1)
             deadline = time.monotonic() + arrival_s
             while self.root.add(key, 0) < world_size:
+                if self.root.check(["ended"]):
+                    raise JobEnded("the job ended before this world formed")
                 if time.monotonic() > deadline:
                     raise _NotArrived(self.prefix)
                 time.sleep(_POLL_S)
@@ -322,7 +328,7 @@ class LiveWorld:
         self.round, self.prefix = info.round, f"r{info.round}"
         os.environ["MEGASHARD_RDZV_ROUND"] = str(info.round)
         self.changes += 1
-        self._form(info.rank, info.world_size)
+        self._form(info.rank, info.world_size, arrival_s=self.timeout)
 
     def tell_agent(self) -> None:
         """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them)."""
@@ -341,8 +347,15 @@ class LiveWorld:
         except Exception:  # noqa: BLE001
             return False
 
-    def close(self) -> None:
+    def close(self, *, ended: bool = False) -> None:
+        """The end of this worker's live training; ``ended`` (the job finished): nodes still on their way into a new
+        world are told so (they wait for it in :meth:`_form`)."""
         self._stop.set()
+        if ended:
+            try:
+                self.root.set("ended", "1")
+            except Exception:  # noqa: BLE001 - the store's host left first: nobody waits on it then
+                pass
 
 
 def abort_groups() -> None:
