@@ -84,7 +84,10 @@ class LiveLoop:
                 self.last = self.train_step(self.model, self.optimizer, state, step)
             return steps
         from megashard.errors import PeerLostError
+        from megashard.launch.lifeline import die_with_parent, env_pid
         from megashard.train.live import _boundary, _broken
+
+        die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # a node that dies takes its workers (torchrun's own do not)
         from megashard.train.memory_copies import MemoryCopies, module_entries, module_targets, restore
 
         pause = os.environ.get("MEGASHARD_PAUSE_FILE") or None  # tests: hold the world between steps
