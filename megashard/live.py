@@ -124,8 +124,15 @@ class LiveLoop:
             except Exception as e:  # noqa: BLE001 - a broken world is handled here, anything else is re-raised
                 if not _broken(world, e):
                     raise
-                world.signal_abort()
                 try:
+                    world.signal_abort()
                     world.after_loss()
                 except LeftOut as left:
                     raise PeerLostError(str(left)) from None
+                except Exception:  # noqa: BLE001 - the store itself is gone
+                    if world.store_alive():
+                        raise
+                    from megashard.errors import MegashardError
+
+                    raise MegashardError(f"the rendezvous host ({os.environ.get(LIVE_STORE_ENV)}) is gone: the world "
+                                         "cannot re-form without its store") from None

@@ -294,7 +294,7 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
 
     import torch
 
-    from tests._elastic import ROOT, Node, free_port
+    from tests._elastic import ROOT, Node, _listening, free_port
 
     script = os.path.join(ROOT, "tests", "_live_loop_script.py")
     steps = 14
@@ -339,6 +339,7 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
     try:
         open(pause, "w").close()  # both nodes in the first world
         nodes.append(Node("A", argv, lenv, str(tmp_path / "A.log")))
+        wait(lambda: _listening(port), "A hosting the rendezvous store")  # the node killed below must not host it
         nodes.append(Node("B", argv, lenv, str(tmp_path / "B.log")))
         wait(lambda: world_size() == 4, "world 4")
         pids = {p for p, pp in _worker_pids_of(script).items() if _agent_of(pp) == nodes[0].proc.pid}
