@@ -96,12 +96,12 @@ class LiveLoop:
             world.join()
         except JobEnded:
             return steps
-        copies: Optional[MemoryCopies] = None
+        held: list[MemoryCopies] = []
         while True:
             try:
                 state = megashard.initialize(self.parallel)
                 model, optimizer = self.model, self.optimizer = self.build(state)
-                start = restore(copies, lambda keys: module_targets(model, optimizer, keys), None, state.device_type)
+                start = restore(held, lambda keys: module_targets(model, optimizer, keys), None, state.device_type)
                 origin = "memory"
                 if start is None:
                     start, origin = (int(self.load(model, optimizer, state)) if self.load else 0), "load"
@@ -114,10 +114,12 @@ class LiveLoop:
                         world.adopt(info)
                         break
                     self.last = self.train_step(model, optimizer, state, step)
-                    if copies is None or copies.world_id != world.prefix:
-                        copies = MemoryCopies(lambda m=model, o=optimizer: module_entries(m, o), self.memory_copies,
-                                              world.prefix, world.local_world_size)
-                    copies.capture(step + 1)
+                    if not held or held[-1].world_id != world.prefix:
+                        held.append(MemoryCopies(lambda m=model, o=optimizer: module_entries(m, o),
+                                                 self.memory_copies, world.prefix, world.local_world_size))
+                    held[-1].capture(step + 1)
+                    if len(held[-1].gens) >= 2:
+                        del held[:-1]
                 else:
                     world.close(ended=True)
                     return steps

@@ -74,14 +74,14 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
             print("megashard run: the job ended before this node could join it: nothing to do", file=sys.stderr,
                   flush=True)
         return TrainResult(start_step=job.train.steps, final_step=job.train.steps, out_dir=job.out_dir)
-    copies: Optional[MemoryCopies] = None  # this process's copies of the newest world that captured any
+    held: list[MemoryCopies] = []  # this process's live copies: this world's, and the one before until complete
     while True:
         run = TrainRun(job)
         try:
             run.start()
             debug("built")
             # every rank of the world says what it holds (newcomers and a first world: nothing → the checkpoint)
-            live_step = restore(copies, lambda keys: fresh_entries(run.model, run.optimizer, run.state),
+            live_step = restore(held, lambda keys: fresh_entries(run.model, run.optimizer, run.state),
                                 lambda filled: put_entries(filled, run.model, run.optimizer, run.state),
                                 run.state.device_type)
             debug(f"restored {live_step}")
@@ -95,10 +95,12 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                 if info is not None:
                     raise _Move(info)
                 run.step(step)
-                if copies is None or copies.world_id != world.prefix:
-                    copies = MemoryCopies(lambda r=run: job_entries(r.model, r.optimizer, r.state),
-                                          job.checkpoint.memory_copies, world.prefix, world.local_world_size)
-                copies.capture(step + 1)
+                if not held or held[-1].world_id != world.prefix:
+                    held.append(MemoryCopies(lambda r=run: job_entries(r.model, r.optimizer, r.state),
+                                             job.checkpoint.memory_copies, world.prefix, world.local_world_size))
+                held[-1].capture(step + 1)
+                if len(held[-1].gens) >= 2:  # every rank completed a capture of this world: the older is not needed
+                    del held[:-1]
                 run.save(step + 1)
             result = run.end(on_end)
             world.close(ended=True)

@@ -230,44 +230,44 @@ def _intersect(a_off, a_size, b_off, b_size) -> Optional[tuple[tuple, tuple]]:
 
 
 @torch.no_grad()
-def restore(copies: Optional[MemoryCopies], targets: Callable[[dict], list], put: Optional[Callable[[list], None]],
+def restore(copies: Any, targets: Callable[[dict], list], put: Optional[Callable[[list], None]],
             device_type: str = "cpu") -> Optional[int]:
     """Collective over the new world: fill this world's tensors from the live copies the ranks hold; returns the
-    step restored, or None when no step of the old world is covered (nothing is changed: read the checkpoint).
+    step restored, or None when no step of an old world is covered (nothing is changed: read the checkpoint).
 
-    ``copies``: this rank's copies from the old world (None for a newcomer). ``targets(keys)``: the ``(key, tensor
-    or DTensor)`` list to fill in this world's layout (``keys``: ``{key: (global size, dtype)}`` of the old world);
-    ``put(targets)``: called once they are filled (None: they are the live tensors themselves)."""
+    ``copies``: this rank's :class:`MemoryCopies` (None for a newcomer), or a list of them — the current world's and
+    the one before, until every rank has a complete generation of the current one (a node lost during the first
+    capture of a world leaves the previous world's copies as the newest covered). ``targets(keys)``: the ``(key,
+    tensor or DTensor)`` list to fill in this world's layout (``keys``: ``{key: (global size, dtype)}`` of the old
+    world); ``put(targets)``: called once they are filled (None: they are the live tensors themselves)."""
     from megashard.checkpoint.state_dict import attach_uneven_layouts
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = None
-    if copies is not None and copies.gens:
-        mine = (copies.world_id, {r: t for r, t in copies.tables.items()}, list(copies.holdings().items()))
+    held_here = [c for c in (copies if isinstance(copies, (list, tuple)) else [copies]) if c is not None and c.gens]
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, None if mine is None else (mine[0], mine[2]))
-    worlds = {e[0] for e in every if e is not None}
-    if len(worlds) != 1:  # nobody holds anything (a fresh start), or holders of different worlds: the checkpoint
+    dist.all_gather_object(every, [(c.world_id, list(c.holdings().items())) for c in held_here])
+    by_world: dict[str, dict] = {}
+    for holder, entries in enumerate(every):
+        for world_id, items in entries or ():
+            for (old, step), (gen, kind) in items:
+                by_world.setdefault(world_id, {}).setdefault((old, step), (holder, gen, kind))
+    best = None  # (step, world id, chosen, tables)
+    for world_id in sorted(by_world):
+        holder = min(h for h, _, _ in by_world[world_id].values())
+        box: list[Any] = [next(c.tables for c in held_here if c.world_id == world_id) if rank == holder else None]
+        dist.broadcast_object_list(box, src=holder)
+        found = _covering(box[0], by_world[world_id])
+        if found is not None and (best is None or found[0] > best[0]):
+            best = (found[0], world_id, found[1], box[0])
+    if best is None:  # nobody holds anything (a fresh start), or no step survived whole: the checkpoint
         return None
-    holder_of_tables = next(r for r, e in enumerate(every) if e is not None)
-    box: list[Any] = [mine[1] if rank == holder_of_tables else None]
-    dist.broadcast_object_list(box, src=holder_of_tables)
-    tables = box[0]
-    held: dict = {}
-    for holder, e in enumerate(every):
-        if e is None:
-            continue
-        for (old, step), (gen, kind) in e[1]:
-            held.setdefault((old, step), (holder, gen, kind))
-    found = _covering(tables, held)
-    if found is None:
-        return None
-    step, chosen = found
+    step, world_id, chosen, tables = best
+    source = next((c for c in held_here if c.world_id == world_id), None)
     pieces: dict[str, list] = {}
     for old in sorted(chosen):
         holder, gen, kind = chosen[old]
         table, size = tables[old]
-        buf = copies.buffer(gen, kind) if rank == holder else torch.empty(size, dtype=torch.uint8)
+        buf = source.buffer(gen, kind) if rank == holder else torch.empty(size, dtype=torch.uint8)
         if world > 1:
             if dist.get_backend() == "gloo":
                 dist.broadcast(buf, src=holder)
