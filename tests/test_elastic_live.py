@@ -268,7 +268,9 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
         run.stop_all()
     assert _left_behind(run) == []
     got = run.metrics()
-    assert got[-1]["world_size"] == 2 and 6 in _worlds(got), _worlds(got)
+    assert got[-1]["world_size"] == 2, _worlds(got)
+    log = a.log()
+    assert "joined (world 2 → 6)\n" in log and "left (world 6 → 2)\n" in log, log
     from megashard.train.metrics import read_metrics
 
     diff = loss_differences(read_metrics(os.path.join(tmp, "ref", "metrics.jsonl")), got)
@@ -277,9 +279,10 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
     for c in changes[:-1]:  # the flapping node: from memory, the step in flight redone at most
         assert c["state_from"] == "memory" and c["steps_redone"] <= 1, changes
     # two of three nodes lost: the shards of one of them were copied only to the other (checkpoint.memory_copies=1),
-    # so the survivor reads the newest checkpoint — in the same processes
-    assert changes[-1]["world_size_before"] in (4, 6) and changes[-1]["state_from"] in ("memory", "checkpoint"), changes
-    log = a.log()
+    # so the survivor reads the newest checkpoint — in the same processes (none yet: from step 0; metrics.jsonl then
+    # holds the survivor's steps only)
+    assert changes[-1]["world_size_before"] in (4, 6) and changes[-1]["state_from"] in ("memory", "checkpoint",
+                                                                                         "none"), changes
     assert "Traceback" not in log and "frame #" not in log, log
 
 
