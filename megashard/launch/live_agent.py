@@ -86,4 +86,7 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
         return None
     os.environ[LIVE_DIR_ENV] = where
     os.environ[LIVE_STORE_ENV] = endpoint
+    # torch's shared bootstrap store: a node that joins a round whose rank 0 did not restart waits for an address that
+    # rank 0 only publishes when it builds the store anew (as megashard run sets for its workers, pytorch#135712)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return where
