@@ -275,7 +275,7 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
 
     diff = loss_differences(read_metrics(os.path.join(tmp, "ref", "metrics.jsonl")), got)
     assert max(diff.values()) <= TOLERANCE, diff
-    changes = [r["world_change"] for r in got if "world_change" in r and r["step"] > 1]
+    changes = [r["world_change"] for r in got if "world_change" in r and r["world_change"]["nodes_left"]]
     for c in changes[:-1]:  # the flapping node: from memory, the step in flight redone at most
         assert c["state_from"] == "memory" and c["steps_redone"] <= 1, changes
     # two of three nodes lost: the shards of one of them were copied only to the other (checkpoint.memory_copies=1),
@@ -345,7 +345,7 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
         wait(lambda: _listening(port), "A hosting the rendezvous store")  # the node killed below must not host it
         nodes.append(Node("B", argv, lenv, str(tmp_path / "B.log")))
         wait(lambda: world_size() == 4, "world 4")
-        pids = {p for p, pp in _worker_pids_of(script).items() if _agent_of(pp) == nodes[0].proc.pid}
+        pids = {p for p, pp in _worker_pids_of(script).items() if pp == nodes[0].proc.pid}
         os.remove(pause)
         wait(lambda: any(r["world_size"] == 4 and r["step"] >= 4 for r in records()), "step 4 at world 4")
         open(pause, "w").close()
@@ -356,7 +356,7 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
         open(pause, "w").close()
         nodes.append(Node("B2", argv, lenv, str(tmp_path / "B2.log")))
         wait(lambda: world_size() == 4, "world 4 again")
-        kept = {p for p, pp in _worker_pids_of(script).items() if _agent_of(pp) == nodes[0].proc.pid}
+        kept = {p for p, pp in _worker_pids_of(script).items() if pp == nodes[0].proc.pid}
         os.remove(pause)
         assert nodes[0].wait(600) == 0, nodes[0].log()
         assert nodes[2].wait(600) == 0, nodes[2].log()
@@ -416,9 +416,11 @@ def test_ctrl_c_on_an_elastic_launcher_says_the_job_goes_on_without_this_node(tm
     assert stopped_line(fixed, 50.0) == "stopped at step 7; no checkpoint was saved: rerun the same command to start again"
 
 
-def test_the_rendezvous_host_lost_stops_the_survivor_in_one_line(tmp_path):
-    """Node A hosts the rendezvous store (launch.rdzv_endpoint): when it is killed the survivor cannot form a world
-    without the store; it says so in one line, ends, and leaves nothing running or half-written."""
+def test_the_rendezvous_host_lost_ends_the_job_in_a_few_lines(tmp_path):
+    """Node A hosts the rendezvous store (launch.rdzv_endpoint). When it is killed, the survivor either re-forms
+    before the store goes down (it then trains on, and its launcher fails at the end, where torchrun's agents meet in
+    the store) or finds the store gone and stops with one line; either way without C++ traces, with nothing left
+    running and no half-written checkpoint."""
     from megashard.checkpoint.safety import list_checkpoints
 
     config, extra = SCENARIOS["tp2-fsdp"]
@@ -432,7 +434,8 @@ def test_the_rendezvous_host_lost_stops_the_survivor_in_one_line(tmp_path):
         run.stop_all()
     log = run.nodes[1].log()
     assert code != 0, log
-    assert log.count("the rendezvous host (localhost:") == 1, log
-    assert "cannot re-form without its store" in log and "Traceback" not in log and "frame #" not in log, log
+    gone = log.count("the rendezvous host (localhost:")
+    assert gone == 1 and "cannot re-form without its store" in log or gone == 0 and "re-formed in place" in log, log
+    assert "Traceback" not in log and "frame #" not in log, log
     assert _left_behind(run) == []
     assert all(e.complete for e in list_checkpoints(os.path.join(run.out, "checkpoints")))

@@ -204,6 +204,10 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
     if job.launch.elastic and job.launch.rdzv_backend == "c10d":
         child_env["MEGASHARD_RECOVERY"] = job.launch.recovery  # megashard.launch.live_agent
+    if job.launch.elastic and "TORCH_CPP_LOG_LEVEL" not in env:
+        # a node that dies breaks the connections of every store client on the others: torch's C++ code warns once
+        # per broken call with ~50 lines of stack (issue 40); megashard's own lines say what happened
+        child_env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     if job.launch.elastic and PEER_LOSS_GRACE_ENV not in env:
         # A worker that lost its peers waits for torchrun to stop it, so that a failure of its own node is reported
         # first. In an elastic job the lost peer is usually a node that left: leave soon (the agent re-forms the
