@@ -221,11 +221,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             return EXIT_NO_RESTART if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()) else 1
         except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
             return 128 + int(e.sigval)
-        except Exception as e:  # noqa: BLE001 - a node that comes to join a job which has ended
-            if type(e).__name__ != "RendezvousClosedError":
+        except Exception as e:  # noqa: BLE001 - a node that comes to join a job which has ended, a lost store
+            if type(e).__name__ == "RendezvousClosedError":
+                _say("the job this node came to join has ended (its rendezvous is closed): nothing to do here")
+                return 0
+            if type(e).__name__ != "RendezvousConnectionError":
                 raise
-            _say("the job this node came to join has ended (its rendezvous is closed): nothing to do here")
-            return 0
+            _say(f"the rendezvous store at {args.rdzv_endpoint} is gone (its host, the launcher that started first, "
+                 "was lost): this node cannot meet the others and stops; start the job again to resume from its "
+                 "newest checkpoint")
+            return 1
         finally:
             if live_dir is not None:
                 import shutil
