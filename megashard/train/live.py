@@ -76,6 +76,7 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
         return TrainResult(start_step=job.train.steps, final_step=job.train.steps, out_dir=job.out_dir)
     held: list[MemoryCopies] = []  # this process's live copies: this world's, and the one before until complete
     while True:
+        _fillable(job)
         run = TrainRun(job)
         try:
             run.start()
@@ -128,6 +129,20 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                         "was lost: the world cannot re-form without its store; this node stops — start the job again "
                         "with launch.rdzv_endpoint on a surviving node to resume from its newest checkpoint") from None
                 raise lost
+
+
+def _fillable(job: JobConfig) -> None:
+    """A world the fixed axes or the batch cannot fill is the restart path's to handle (``launch.unfillable_world``:
+    wait or stop): leave as a worker that lost its peers, and torchrun's agent re-forms it through the rendezvous."""
+    import torch.distributed as dist
+
+    from megashard.errors import ConfigError, PeerLostError
+
+    try:
+        job.validate(dist.get_world_size(), data=False)
+    except ConfigError as e:
+        raise PeerLostError(f"the re-formed world of {dist.get_world_size()} cannot run this job ({e}); torchrun's "
+                            "rendezvous takes over") from None
 
 
 def _boundary(world: Any, pause: Optional[str]) -> Any:
