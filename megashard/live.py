@@ -85,7 +85,7 @@ class LiveLoop:
             return steps
         from megashard.errors import PeerLostError
         from megashard.launch.lifeline import die_with_parent, env_pid
-        from megashard.train.live import _boundary, _broken
+        from megashard.train.live import _boundary, _broken, _forget_world
 
         die_with_parent(env_pid("MEGASHARD_AGENT_PID"))  # a node that dies takes its workers (torchrun's own do not)
         from megashard.train.memory_copies import MemoryCopies, module_entries, module_targets, restore
@@ -111,6 +111,7 @@ class LiveLoop:
                 for step in range(start, steps):
                     info = _boundary(world, pause)
                     if info is not None:
+                        _forget_world(held)
                         world.adopt(info)
                         break
                     self.last = self.train_step(model, optimizer, state, step)
@@ -127,6 +128,7 @@ class LiveLoop:
                 if not _broken(world, e):
                     raise
                 try:
+                    _forget_world(held)
                     world.signal_abort()
                     world.after_loss()
                 except LeftOut as left:

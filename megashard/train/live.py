@@ -107,12 +107,14 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
             world.close(ended=True)
             return result
         except _Move as m:
+            _forget_world(held)
             _close(run)
             world.adopt(m.info)
         except Exception as e:  # noqa: BLE001 - a broken world is handled here, anything else is re-raised
             if not _broken(world, e):
                 raise
             try:
+                _forget_world(held)
                 world.signal_abort()
                 _close(run)
                 world.after_loss()
@@ -129,6 +131,12 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                         "was lost: the world cannot re-form without its store; this node stops — start the job again "
                         "with launch.rdzv_endpoint on a surviving node to resume from its newest checkpoint") from None
                 raise lost
+
+
+def _forget_world(held: list) -> None:
+    """The copies outlive their world: let go of its model (and meshes, which equal the next world's by value)."""
+    for c in held:
+        c.entries = None
 
 
 def _fillable(job: JobConfig) -> None:

@@ -193,9 +193,12 @@ class LiveWorld:
         import megashard.state as ms
         from megashard.state.pool import release_process_groups
 
+        from megashard.models.parallelize import forget_stage_meshes
+
         self._stop.set()
         if abort:
             abort_groups()
+        forget_stage_meshes()
         ms.destroy()
         release_process_groups()
         if dist.is_initialized():
