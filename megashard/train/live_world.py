@@ -15,8 +15,9 @@ rendezvous already needs alive), under a key prefix per world: ``r<round>`` for 
 
 **A loss** (a collective raised because a peer process went away) is handled by the survivors alone, not by torch's
 rendezvous: the first to see it sets the world's *abort* key; a thread of every worker watches it and aborts its
-process groups (``ProcessGroup.abort``: a collective blocked on a survivor that already left returns at once instead
-of waiting ``parallel.timeout``); every survivor then registers. The first to register is the leader: it waits until
+process groups (``ProcessGroup.abort``, and on gloo, where that does nothing, a shutdown of the connections its
+groups accepted: :mod:`megashard._compat.gloo_abort`), so that a collective blocked on a survivor that already left
+fails at once instead of waiting ``parallel.timeout``; every survivor then registers. The first to register is the leader: it waits until
 every rank registered or, for each node, either all its ranks or none did and nobody registered for
 :data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
 order. The members form the next world; a worker left out (its node was too slow to answer) exits with
@@ -41,6 +42,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megashard._compat.gloo_abort import listening_now
 
 __all__ = ["LiveWorld", "LeftOut", "JobEnded", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
 
@@ -120,6 +123,7 @@ class LiveWorld:
         self.agent_dir = os.environ.get(LIVE_DIR_ENV) or None
         self._seen_round_mtime = 0.0
         self._watch: Optional[threading.Thread] = None
+        self._listening: frozenset = frozenset()  # TCP listeners before this world's groups (see abort_groups)
         self._stop = threading.Event()
         self.run_id = run_id
         self.changes = 0  # worlds formed after the first
@@ -159,6 +163,7 @@ class LiveWorld:
                 time.sleep(_POLL_S)
         if self.backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        self._listening = listening_now()  # what listened before this world's groups (abort_groups spares it)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.prefix}/pg", self.root), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=self.timeout))
         debug(f"forming world {self.prefix} as rank {rank} of {world_size}")
@@ -171,13 +176,14 @@ class LiveWorld:
 
     def _start_watch(self) -> None:
         self._stop = threading.Event()
-        key, stop, client = f"{self.prefix}/abort", self._stop, self._client()
+        key, stop, client, before = f"{self.prefix}/abort", self._stop, self._client(), self._listening
 
         def watch() -> None:  # a survivor blocked in a collective with another survivor that already left
             while not stop.wait(_POLL_S):
                 try:
                     if client.check([key]):
-                        abort_groups()
+                        debug(f"watcher: {key} set: aborting")
+                        abort_groups(before)
                         return
                 except Exception:  # noqa: BLE001 - the store's host is gone: the main thread finds out
                     return
@@ -196,8 +202,10 @@ class LiveWorld:
         from megashard.models.parallelize import forget_stage_meshes
 
         self._stop.set()
+        if self._watch is not None:  # its abort must not reach the next world's groups
+            self._watch.join(timeout=self.timeout)
         if abort:
-            abort_groups()
+            abort_groups(self._listening)
         forget_stage_meshes()
         ms.destroy()
         release_process_groups()
@@ -215,7 +223,7 @@ class LiveWorld:
         try:
             self.root.set(f"{self.prefix}/abort", "1")
         finally:
-            abort_groups()
+            abort_groups(self._listening)
 
     def after_loss(self) -> None:
         """A peer is gone: abort this world, agree with the survivors on the next one and form it. Raises
@@ -361,8 +369,14 @@ class LiveWorld:
                 pass
 
 
-def abort_groups() -> None:
-    """Abort every process group of this process (none blocks any more; each raises in its next call)."""
+def abort_groups(before: frozenset = frozenset()) -> None:
+    """Abort every process group of this process (none blocks any more; each raises in its next call).
+    ``ProcessGroup.abort`` does nothing on gloo: its connections accepted on listeners opened since ``before``
+    (:func:`~megashard._compat.gloo_abort.listening_now`, taken as the world formed) are shut down as well, which
+    fails a collective in flight at once on both ends, a survivor's that waits for this process included."""
     from megashard._compat import abort_process_groups
+    from megashard._compat.gloo_abort import shut_down_gloo_connections
 
     abort_process_groups()
+    n = shut_down_gloo_connections(before)
+    debug(f"aborted: {n} gloo connections shut down")
