@@ -133,9 +133,11 @@ class LiveLoop:
                     world.after_loss()
                 except LeftOut as left:
                     raise PeerLostError(str(left)) from None
-                except Exception:  # noqa: BLE001 - the store itself is gone
+                except Exception as lost:  # noqa: BLE001 - the store itself is gone, or no new world in time
                     if world.store_alive():
-                        raise
+                        from megashard.train.live import _fail_over
+
+                        _fail_over(world, lost)
                     from megashard.errors import MegashardError
 
                     raise MegashardError(f"the rendezvous host ({os.environ.get(LIVE_STORE_ENV)}) is gone: the world "

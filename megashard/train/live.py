@@ -122,7 +122,7 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                 from megashard.errors import PeerLostError
 
                 raise PeerLostError(str(left)) from None
-            except Exception as lost:  # noqa: BLE001 - the store itself is gone
+            except Exception as lost:  # noqa: BLE001 - the store itself is gone, or no new world in time
                 if not world.store_alive():
                     from megashard.errors import MegashardError
 
@@ -130,7 +130,18 @@ def train_live(job: JobConfig, *, on_end: Optional[Callable[..., None]] = None) 
                         f"the rendezvous host ({os.environ.get('MEGASHARD_LIVE_STORE')}) is gone, with the node that "
                         "was lost: the world cannot re-form without its store; this node stops — start the job again "
                         "with launch.rdzv_endpoint on a surviving node to resume from its newest checkpoint") from None
-                raise lost
+                _fail_over(world, lost)
+
+
+def _fail_over(world: Any, e: BaseException) -> None:
+    """This worker could not re-form the world in place within ``parallel.timeout``: one line, then the restart path
+    (:class:`~megashard.errors.PeerLostError`: the worker exits as one that lost its peers)."""
+    from megashard.errors import PeerLostError
+    from megashard.train.live_world import ReformTimeout, _first_line, failover_line
+
+    why = str(e) if isinstance(e, ReformTimeout) else _first_line(e)
+    print(failover_line(world.rank, world.timeout, why), file=sys.stderr, flush=True)
+    raise PeerLostError(why) from None
 
 
 def _forget_world(held: list) -> None:

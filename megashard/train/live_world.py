@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megashard._compat.gloo_abort import listening_now
 
-__all__ = ["LiveWorld", "LeftOut", "JobEnded", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
+__all__ = ["LiveWorld", "LeftOut", "JobEnded", "ReformTimeout", "failover_line", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
 
 LIVE_STORE_ENV = "MEGASHARD_LIVE_STORE"
 """``host:port`` of the rendezvous store, exported to the workers by megashard's agent in live mode."""
@@ -74,6 +74,17 @@ def _arrival_s(timeout: float) -> float:
     """How long the members of a re-formed world wait for each other: ten grace periods, at least 10 s, at most the
     group timeout."""
     return min(float(timeout), max(10.0, 10 * _grace()))
+
+
+class ReformTimeout(RuntimeError):
+    """The survivors did not re-form the world within ``parallel.timeout`` (no decision, or a re-formation that kept
+    failing): this worker fails over to torchrun's rendezvous (the restart path)."""
+
+
+def failover_line(rank: Any, timeout: float, why: str) -> str:
+    """The one line a worker prints when it gives up re-forming the world in place."""
+    return (f"megashard run: rank {rank}: the world did not re-form in place within parallel.timeout={timeout:g} s "
+            f"({why}); this node goes back through torchrun's rendezvous (the restart path)")
 
 
 class JobEnded(RuntimeError):
@@ -123,6 +134,7 @@ class LiveWorld:
         self.agent_dir = os.environ.get(LIVE_DIR_ENV) or None
         self._seen_round_mtime = 0.0
         self._watch: Optional[threading.Thread] = None
+        self._leaving = threading.Event()
         self._listening: frozenset = frozenset()  # TCP listeners before this world's groups (see abort_groups)
         self._stop = threading.Event()
         self.run_id = run_id
@@ -175,8 +187,11 @@ class LiveWorld:
         self._start_watch()
 
     def _start_watch(self) -> None:
-        self._stop = threading.Event()
-        key, stop, client, before = f"{self.prefix}/abort", self._stop, self._client(), self._listening
+        from megashard.launch.agent import EXIT_PEER_LOST
+
+        self._stop, self._leaving = threading.Event(), threading.Event()
+        key, stop, leaving, client = f"{self.prefix}/abort", self._stop, self._leaving, self._client()
+        before, timeout, rank = self._listening, self.timeout, self.rank
 
         def watch() -> None:  # a survivor blocked in a collective with another survivor that already left
             while not stop.wait(_POLL_S):
@@ -184,9 +199,18 @@ class LiveWorld:
                     if client.check([key]):
                         debug(f"watcher: {key} set: aborting")
                         abort_groups(before)
-                        return
+                        break
                 except Exception:  # noqa: BLE001 - the store's host is gone: the main thread finds out
                     return
+            else:
+                return
+            # the last resort, should anything still block the main thread (a wait no abort reaches): the restart path
+            if not leaving.wait(timeout):
+                import sys
+
+                print(failover_line(rank, timeout, "this worker stayed blocked in the broken world after its abort"),
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_PEER_LOST)
 
         self._watch = threading.Thread(target=watch, name="megashard-live-watch", daemon=True)
         self._watch.start()
@@ -201,6 +225,7 @@ class LiveWorld:
 
         from megashard.models.parallelize import forget_stage_meshes
 
+        self._leaving.set()  # the main thread got out of the broken world (the watcher's last resort stands down)
         self._stop.set()
         if self._watch is not None:  # its abort must not reach the next world's groups
             self._watch.join(timeout=self.timeout)
@@ -218,8 +243,9 @@ class LiveWorld:
 
     # ------------------------------------------------------------------------------------------- a loss
     def signal_abort(self) -> None:
-        """This world is broken: tell every rank (their watchers abort their groups) and abort this rank's."""
-        self._stop.set()
+        """This world is broken: tell every rank (their watchers abort their groups) and abort this rank's. This
+        rank's watcher stays until :meth:`leave`: should the main thread stay blocked in the broken world longer than
+        ``parallel.timeout``, it ends the process for the restart path (one line)."""
         try:
             self.root.set(f"{self.prefix}/abort", "1")
         finally:
@@ -228,11 +254,15 @@ class LiveWorld:
     def after_loss(self) -> None:
         """A peer is gone: abort this world, agree with the survivors on the next one and form it. Raises
         :class:`LeftOut` when the others formed it without this worker. A member that does not arrive at the new
-        world within :func:`_arrival_s` (a second node lost meanwhile) makes the members agree again, without it."""
+        world within :func:`_arrival_s` (a second node lost meanwhile) makes the members agree again, without it.
+        Every wait is bounded by ``parallel.timeout``, and no new attempt starts after it: :class:`ReformTimeout`."""
         root, rank, nodes, prefix = self.root, self.rank, list(self.nodes), self.prefix
         root.set(f"{prefix}/abort", "1")
         self.leave(abort=True)
+        give_up, why = time.monotonic() + self.timeout, ""
         while True:
+            if time.monotonic() > give_up:
+                raise ReformTimeout(f"the members of {prefix} kept failing to form it: {why}")
             decision = self._agree(prefix, rank, nodes)
             members = decision["members"]
             debug(f"decision after loss in {prefix}: {decision}")
@@ -245,9 +275,13 @@ class LiveWorld:
             try:
                 self._form(members.index(rank), len(members), arrival_s=_arrival_s(self.timeout))
                 return
-            except _NotArrived:  # lost again while re-forming: the members of this attempt agree once more
+            except Exception as e:  # noqa: BLE001 - lost again while re-forming: the members agree once more
+                why = "a member did not arrive" if isinstance(e, _NotArrived) else _first_line(e)
+                debug(f"re-forming {self.prefix} failed: {why}")
                 prefix, rank, nodes = self.prefix, members.index(rank), [nodes[m] for m in members]
                 root.set(f"{prefix}/abort", "1")
+                if dist.is_initialized():  # the group formed, a peer went during its first collective
+                    self.leave(abort=True)
 
     def _agree(self, prefix: str, rank: int, nodes: list[str]) -> dict:
         """Register as a survivor of world ``prefix``; the first to register decides (:meth:`_decide`)."""
@@ -258,7 +292,12 @@ class LiveWorld:
             decision = self._decide(prefix, nodes, count)
             root.set(f"{prefix}/decision", json.dumps(decision))
             return decision
-        root.wait([f"{prefix}/decision"], timedelta(seconds=self.timeout))
+        try:
+            root.wait([f"{prefix}/decision"], timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - torch's store timeout (the leader was lost while it decided)
+            if not root.check([f"{prefix}/decision"]):  # (the store's host gone: this check raises for the caller)
+                leader = root.get(f"{prefix}/leader").decode()
+                raise ReformTimeout(f"no decision from the survivors' leader, rank {leader}") from e
         return json.loads(root.get(f"{prefix}/decision").decode())
 
     def _decide(self, prefix: str, nodes: list[str], count: int) -> dict:
@@ -367,6 +406,11 @@ class LiveWorld:
                 self.root.set("ended", "1")
             except Exception:  # noqa: BLE001 - the store's host left first: nobody waits on it then
                 pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def abort_groups(before: frozenset = frozenset()) -> None:
