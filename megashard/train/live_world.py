@@ -415,9 +415,11 @@ def _first_line(e: BaseException) -> str:
 
 def abort_groups(before: frozenset = frozenset()) -> None:
     """Abort every process group of this process (none blocks any more; each raises in its next call).
-    ``ProcessGroup.abort`` does nothing on gloo: its connections accepted on listeners opened since ``before``
-    (:func:`~megashard._compat.gloo_abort.listening_now`, taken as the world formed) are shut down as well, which
-    fails a collective in flight at once on both ends, a survivor's that waits for this process included."""
+    ``ProcessGroup.abort`` does nothing on gloo (NCCL worlds have gloo groups too: the memory copies' transfer, the
+    async save's): the connections accepted on listeners opened since ``before``
+    (:func:`~megashard._compat.gloo_abort.listening_now`, taken as the world formed) are shut down as well, after
+    the aborts, which fails a collective in flight at once on both ends, a survivor's that waits for this process
+    included."""
     from megashard._compat import abort_process_groups
     from megashard._compat.gloo_abort import shut_down_gloo_connections
 
