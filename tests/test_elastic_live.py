@@ -398,6 +398,30 @@ def test_a_bad_recovery_setting_is_one_line_naming_the_field_and_the_choices(ove
     assert ("live" in text and "restart" in text) if "recovery" in field else "0 or 1" in text, text
 
 
+def test_a_survivor_without_a_decision_in_time_fails_over_in_one_line(monkeypatch):
+    """The survivors' leader was lost while it decided (it registered as leader, no decision follows): a survivor
+    waits ``parallel.timeout`` (2 s here) for the decision, then gives up re-forming in place with the reason, and
+    says so in one line that names the restart path. A real store; no processes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megashard.train.live_world import LiveWorld, ReformTimeout, failover_line
+    from tests._elastic import free_port
+
+    port = free_port()
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"t{port}")
+    world = LiveWorld(f"localhost:{port}", f"t{port}", "gloo", timeout=2.0)
+    world.root.set("r0/leader", "3")  # rank 3 took the lead, then its node went down
+    with pytest.raises(ReformTimeout) as e:
+        world._agree("r0", 1, ["a", "a", "b", "b"])
+    assert "no decision from the survivors' leader, rank 3" in str(e.value), e.value
+    line = failover_line(1, 2.0, str(e.value))
+    assert "\n" not in line and "parallel.timeout=2 s" in line and "restart path" in line, line
+    del server
+
+
 def test_ctrl_c_on_an_elastic_launcher_says_the_job_goes_on_without_this_node(tmp_path):
     """Issue 40: the advice after a Ctrl-C is true for an elastic job (the other nodes train on; rerunning joins
     them), and unchanged for a job of fixed size."""
