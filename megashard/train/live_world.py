@@ -17,9 +17,9 @@ rendezvous already needs alive), under a key prefix per world: ``r<round>`` for 
 rendezvous: the first to see it sets the world's *abort* key; a thread of every worker watches it and aborts its
 process groups (``ProcessGroup.abort``, and on gloo, where that does nothing, a shutdown of the connections its
 groups accepted: :mod:`megashard._compat.gloo_abort`), so that a collective blocked on a survivor that already left
-fails at once instead of waiting ``parallel.timeout``; every survivor then registers. The first to register is the leader: it waits until
-every rank registered or, for each node, either all its ranks or none did and nobody registered for
-:data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
+fails at once instead of waiting ``parallel.timeout``; every survivor then registers. The first to register is the
+leader: it waits until every rank registered or, for each node, either all its ranks or none did and nobody
+registered for :data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
 order. The members form the next world; a worker left out (its node was too slow to answer) exits with
 :data:`~megashard.launch.agent.EXIT_PEER_LOST` and its launcher brings it back through the rendezvous, as a join.
 
@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from megashard._compat.gloo_abort import listening_now
 
-__all__ = ["LiveWorld", "LeftOut", "JobEnded", "ReformTimeout", "failover_line", "LIVE_STORE_ENV", "LIVE_DIR_ENV", "ROUND_FILE", "GRACE_S", "live_enabled"]
+__all__ = ["LiveWorld", "LeftOut", "JobEnded", "ReformTimeout", "failover_line", "LIVE_STORE_ENV", "LIVE_DIR_ENV",
+           "ROUND_FILE", "GRACE_S", "live_enabled"]
 
 LIVE_STORE_ENV = "MEGASHARD_LIVE_STORE"
 """``host:port`` of the rendezvous store, exported to the workers by megashard's agent in live mode."""
