@@ -6,10 +6,11 @@ lifelines of :mod:`megashard.launch.lifeline` (is the parent still there). Plain
 from __future__ import annotations
 
 import os
+import sys
 import socket
 from typing import Optional
 
-__all__ = ["hostname", "pid_alive", "process_start_time"]
+__all__ = ["hostname", "is_peer_loss", "pid_alive", "process_start_time", "quiet_stderr"]
 
 
 def pid_alive(pid: int, start_time: Optional[float] = None) -> bool:
@@ -53,3 +54,48 @@ def process_start_time(pid: int) -> Optional[float]:
 def hostname() -> str:
     """This host's name as other hosts of the job see it in a lock file."""
     return socket.gethostname()
+
+
+def quiet_stderr(quiet: bool):
+    """A context in which file descriptor 2 (stderr of Python and of torch's C++ code) goes nowhere, if ``quiet``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def muted():
+        sys.stderr.flush()
+        saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
+
+    return muted() if quiet else contextlib.nullcontext()
+
+
+#: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
+_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
+              "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
+    import torch.distributed as dist
+
+    from megashard.errors import PeerLostError
+
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (PeerLostError, getattr(dist, "DistNetworkError", ()))):
+            return True
+        text = str(e).lower()
+        if any(s in text for s in _PEER_LOSS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -1,4 +1,5 @@
-"""Elastic jobs end to end: two launchers on localhost, one killed with SIGKILL and started again (issue 30).
+"""Elastic jobs end to end: two launchers on localhost, one killed with SIGKILL and started again (issue 30), on the
+restart path (``launch.recovery: restart``; live recovery: tests/test_elastic_live.py).
 
 Each scenario runs ``launch.nnodes=1:2`` with 2 processes per launcher and a c10d rendezvous
 (:mod:`tests._elastic`): nodes A and B train at world 4; B is SIGKILLed mid-run; A goes on at world 2 (resumed from
@@ -24,7 +25,7 @@ from tests._elastic import ElasticRun, kill_and_rejoin, loss_differences, param_
 
 STEPS = 15
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval=3", "checkpoint.keep=0", "train.dtype=float64",
-          "train.plot=false", "train.micro_batch_size=4", "train.doctor=false"]
+          "train.plot=false", "train.micro_batch_size=4", "train.doctor=false", "launch.recovery=restart"]
 SCENARIOS = {
     "tp2-fsdp": ("configs/default.yaml", ["parallel.dp_shard=auto", "train.doctor=true"]),  # + the doctor's worlds
     "pp2": ("configs/pp.yaml", ["parallel.tp=1", "parallel.dp_shard=auto", "train.microbatches=null"]),

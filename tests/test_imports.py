@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megashard.checkpoint", "megashard.data"),
     ("megashard.models",),
     ("megashard.train",),
-    ("megashard.launch", "megashard.advisor", "megashard.rehearse"),
+    ("megashard.launch", "megashard.advisor", "megashard.rehearse", "megashard.live"),
     ("megashard.cli", "megashard.__main__"),
     ("megashard",),  # the package's own __init__: the facade over all of it
 ]

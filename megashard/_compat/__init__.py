@@ -61,10 +61,15 @@ from megashard._compat.dtensor_gather import (
 )
 from megashard._compat.elastic import (
     RENDEZVOUS_ROUND_ENV,
+    abort_process_groups,
     capture_rendezvous_handlers,
     elastic_agent_gives_up_on,
+    elastic_agent_live_hooks,
     export_rendezvous_round,
+    rendezvous_agent,
+    rendezvous_dropped,
     rendezvous_joined,
+    set_group_world_size,
 )
 from megashard._compat.funcol import (
     FUNCTIONAL_COLLECTIVES,
@@ -80,16 +85,16 @@ from megashard._compat.version import TORCH_VERSION
 
 __all__ = [
     "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "RENDEZVOUS_ROUND_ENV", "TORCH_VERSION",
-    "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
+    "abort_process_groups", "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
     "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
     "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
     "dcp_set_element", "default_store", "destroy_group_keep_name", "dispatch_api", "dtensor_gather_crashes",
-    "dtensor_local", "elastic_agent_gives_up_on", "export_rendezvous_round", "fake_store", "functional_collectives",
-    "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs",
+    "dtensor_local", "elastic_agent_gives_up_on", "elastic_agent_live_hooks", "export_rendezvous_round", "fake_store",
+    "functional_collectives", "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs",
     "install_numpy_free_object_collectives", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
-    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_joined", "strided_shard_class",
+    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped", "rendezvous_joined", "set_group_world_size", "strided_shard_class",
     "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
 ]
 

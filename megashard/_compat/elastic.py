@@ -37,8 +37,20 @@ def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[i
         _megashard_gives_up_on = frozenset(exit_codes)
         _megashard_membership_code = membership_code
         _megashard_on_membership = staticmethod(on_membership) if on_membership else None
+        _megashard_live_join = None  # elastic_agent_live_hooks
+        _megashard_live_monitor = None
+
+        def _restart_workers(self, worker_group):  # noqa: ANN001 - torch's signature
+            # torch restarts HEALTHY workers only for nodes waiting to join: with live recovery they stay
+            join = type(self)._megashard_live_join
+            if join is not None and worker_group.state == WorkerState.HEALTHY and join(self, worker_group):
+                return
+            super()._restart_workers(worker_group)
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001 - torch's signature
+            monitor = type(self)._megashard_live_monitor
+            if monitor is not None:
+                monitor(self, worker_group)
             result = super()._monitor_workers(worker_group)
             failures = getattr(result, "failures", None) or {}
             codes = {getattr(f, "exitcode", None) for f in failures.values()}
@@ -54,6 +66,71 @@ def elastic_agent_gives_up_on(exit_codes: frozenset, membership_code: Optional[i
 
     launcher_api.LocalElasticAgent = Agent
     return True
+
+
+def elastic_agent_live_hooks(on_join, on_monitor) -> bool:
+    """Live recovery (:mod:`megashard.launch.live_agent`): ``on_join(agent, worker_group) -> bool`` replaces the
+    restart torch's agent makes for a node waiting to join while its workers are healthy (True: handled, the workers
+    keep running); ``on_monitor(agent, worker_group)`` runs before each health check. Needs
+    :func:`elastic_agent_gives_up_on` first; False where this torch's agent has another shape."""
+    try:
+        import torch.distributed.launcher.api as launcher_api
+    except ImportError:  # pragma: no cover
+        return False
+    agent = getattr(launcher_api, "LocalElasticAgent", None)
+    if agent is None or not hasattr(agent, "_megashard_live_join") or not hasattr(agent, "_rendezvous"):
+        return False
+    agent._megashard_live_join = staticmethod(on_join)
+    agent._megashard_live_monitor = staticmethod(on_monitor)
+    return True
+
+
+def rendezvous_agent(agent, worker_group) -> list:  # noqa: ANN001
+    """Complete the next rendezvous round in torch's agent without touching its workers (private
+    ``SimpleElasticAgent._rendezvous``): the workers' new global ranks by local rank, the world size and
+    ``group_world_size``. The workers' process ids are kept, so torch's monitor still recognises them."""
+    ids = {w.local_rank: w.id for w in worker_group.workers}
+    agent._rendezvous(worker_group)
+    for w in worker_group.workers:
+        w.id = ids.get(w.local_rank)
+    return [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers]
+
+
+def rendezvous_dropped(handler) -> bool:  # noqa: ANN001
+    """Whether torch's dynamic rendezvous (private ``_state_holder``, ``_this_node``) dropped this node from the round
+    it belongs to — its heartbeats came too late and a newer round formed without it. False where unknown."""
+    holder, me = getattr(handler, "_state_holder", None), getattr(handler, "_this_node", None)
+    if holder is None or me is None:
+        return False
+    try:
+        holder.sync()
+        state = holder.state
+    except Exception:  # noqa: BLE001 - the backend is unreachable: not this check's to say
+        return False
+    return bool(state.complete) and me not in state.participants and me not in getattr(state, "wait_list", ())
+
+
+def set_group_world_size(worker_group, nodes: int) -> None:  # noqa: ANN001
+    """The nodes of the world after a live loss (the agent's exit barrier waits for that many)."""
+    worker_group.group_world_size = int(nodes)
+
+
+def abort_process_groups() -> int:
+    """Abort every process group of this process (``ProcessGroup.abort``, private registry ``_world.pg_map``): a
+    collective blocked on a peer returns with an error at once. Returns how many were aborted."""
+    import torch.distributed.distributed_c10d as c10d
+
+    n = 0
+    for pg in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
+        abort = getattr(pg, "abort", None)
+        if abort is None:  # pragma: no cover - a release without abort: the broken connections raise anyway
+            continue
+        try:
+            abort()
+            n += 1
+        except Exception:  # noqa: BLE001 - already aborted or shut down
+            pass
+    return n
 
 
 # --- torchrun's rendezvous (megashard.launch.startwatch: how many nodes joined while a node is missing) --------------

@@ -331,3 +331,11 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                           activation_per_block=(acts[0] if acts else 0),
                           activation_kept_per_block=(kept[0] if kept else 0), inflight=inflight,
                           largest_moe_shard=moe_shard, phases=at)
+
+
+def live_copies_bytes(s: JobShape, sz: Any, copies: int) -> int:
+    """Host memory per rank that live recovery's copies take (``launch.recovery: live``,
+    :mod:`megashard.train.memory_copies`): two generations (this step, the one before) of the largest rank's own
+    parameter and optimizer shards and of ``copies`` (``checkpoint.memory_copies``) peers' shards."""
+    est = estimate_memory(s, sz)
+    return 2 * (1 + copies) * (est.parts.get("params", 0) + est.parts.get("optimizer", 0))

@@ -30,12 +30,27 @@ def range_plan(job: Any, source: str) -> dict[str, Any]:
                                                         "expt_tp", "expt_dp")}
             row["sequences_per_rank"] = job.train.global_batch // s.dp
             row["microbatches"] = job.microbatches(s.pp, s.dp)
+            if la.recovery == "live":
+                row["live_copies_bytes_per_rank"] = _live_copies(job, s, o.nodes)
         else:
             row["refused"] = o.refusal
         worlds.append(row)
     return {"config": source, "nnodes": f"{lo}:{hi}", "nproc_per_node": la.nproc_per_node,
             "absorbing_axis": absorbing_axis(job), "global_batch": job.train.global_batch,
-            "unfillable_world": la.unfillable_world, "worlds": worlds}
+            "unfillable_world": la.unfillable_world, "recovery": la.recovery,
+            "memory_copies": job.checkpoint.memory_copies, "worlds": worlds}
+
+
+def _live_copies(job: Any, sizes: Any, nodes: int) -> int:
+    """Host memory per rank of live recovery's copies at this world (no copy on a single node: none to keep it)."""
+    from megashard.advisor.memory import live_copies_bytes
+    from megashard.advisor.shape import JobShape
+
+    return live_copies_bytes(JobShape.from_job(job), sizes, job.checkpoint.memory_copies if nodes > 1 else 0)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
 def format_range(plan: dict[str, Any]) -> str:
@@ -86,6 +101,11 @@ def format_range(plan: dict[str, Any]) -> str:
         out.append(f"a rendezvous that forms a refused world size: the job {what} "
                    f"(launch.unfillable_world={plan['unfillable_world']})")
         out.append("")
+    live = [w for w in plan["worlds"] if "live_copies_bytes_per_rank" in w]
+    if live:
+        out.append(f"live recovery (launch.recovery=live, checkpoint.memory_copies={plan['memory_copies']}): host "
+                   "memory per rank for the copies of the model and optimizer state: "
+                   + ", ".join(f"{_mib(w['live_copies_bytes_per_rank'])} at world {w['world_size']}" for w in live))
     out.append("every group at one world size: megashard plan CONFIG --world-size N")
     return "\n".join(out) + "\n"
 

@@ -39,6 +39,8 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
+from megashard.processes import is_peer_loss  # noqa: E402 - re-exported (workers, user scripts)
+
 __all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit", "is_elastic"]
 
 EXIT_PEER_LOST = 75
@@ -47,35 +49,12 @@ EXIT_NO_RESTART = 2
 """Exit code of a worker that stopped on a megashard error (:class:`megashard.errors.MegashardError`): the same
 start would fail the same way, so the agent does not restart the job (and exits with this code itself)."""
 
-#: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
-_PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
-              "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed")
-
 # torch's elastic log messages replaced by megashard's own lines (matched on the unformatted template).
 _FAILED = "failed (exitcode"
 _RESTART = "attempts left; will restart worker group"
 _JOINED = "new nodes from group_rank"
 _QUIET = ("closing signal", "death signal", "Got termination signal", "Setting OMP_NUM_THREADS",
           "config has no run_id")
-
-
-def is_peer_loss(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) says a peer process went away."""
-    import torch.distributed as dist
-
-    from megashard.errors import PeerLostError
-
-    seen = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (PeerLostError, getattr(dist, "DistNetworkError", ()))):
-            return True
-        text = str(e).lower()
-        if any(s in text for s in _PEER_LOSS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def is_elastic(nnodes: Any) -> bool:
@@ -109,6 +88,7 @@ class _Reporter(logging.Handler):
         self.host = host
         self.failure: Optional[tuple[int, int]] = None  # (local rank, exit code) of the newest failure
         self.membership = False  # the agent gave the coming restart back: every worker here only lost its peers
+        self.live = False  # launch.recovery=live: a join does not restart the workers (megashard.launch.live_agent)
 
     def on_membership(self) -> None:
         """Called by the agent (megashard._compat) when a node left: the next restart re-forms the world."""
@@ -126,6 +106,10 @@ class _Reporter(logging.Handler):
                 return
             if _JOINED in template:  # torch: "[role] Detected N new nodes from group_rank=G; will restart worker group"
                 n = int(record.args[1])  # type: ignore[index]
+                if self.live:
+                    _say(f"{n} node{'s' if n != 1 else ''} joined the rendezvous; the running workers take "
+                         f"{'them' if n != 1 else 'it'} in at their next step (no restart)")
+                    return
                 _say(f"{n} node{'s' if n != 1 else ''} joined the rendezvous; the workers restart in the larger world "
                      "(not counted against launch.max_restarts)")
                 return
@@ -225,6 +209,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         export_rendezvous_round(RENDEZVOUS_ROUND_ENV)  # the world the workers start in: the doctor's run identity
         elastic_agent_gives_up_on(frozenset({EXIT_NO_RESTART}), membership_code=EXIT_PEER_LOST
                                   if reporter.elastic else None, on_membership=reporter.on_membership)
+        from megashard.launch import live_agent
+
+        live_dir = live_agent.enable(args.rdzv_endpoint if reporter.elastic else None, _say)
+        reporter.live = live_dir is not None
         try:
             run(args)
         except ChildFailedError as e:
@@ -233,6 +221,21 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             return EXIT_NO_RESTART if any(f.exitcode == EXIT_NO_RESTART for f in failures.values()) else 1
         except SignalException as e:  # our launcher died or was interrupted; the workers were stopped
             return 128 + int(e.sigval)
+        except Exception as e:  # noqa: BLE001 - a node that comes to join a job which has ended, a lost store
+            if type(e).__name__ == "RendezvousClosedError":
+                _say("the job this node came to join has ended (its rendezvous is closed): nothing to do here")
+                return 0
+            if type(e).__name__ != "RendezvousConnectionError":
+                raise
+            _say(f"the rendezvous store at {args.rdzv_endpoint} is gone (its host, the launcher that started first, "
+                 "was lost): this node cannot meet the others and stops; start the job again to resume from its "
+                 "newest checkpoint")
+            return 1
+        finally:
+            if live_dir is not None:
+                import shutil
+
+                shutil.rmtree(live_dir, ignore_errors=True)
     except KeyboardInterrupt:  # a SIGINT before torchrun's handlers (imports, rendezvous): the launcher reports it
         return 128 + int(signal.SIGINT)
     return 0

@@ -202,6 +202,12 @@ def plan_launch(config: str, overrides: Sequence[str] = (), env: Optional[Mappin
         child_env["PYTHONWARNINGS"] = f"{env['PYTHONWARNINGS']},{quiet}" if env.get("PYTHONWARNINGS") else quiet
     if job.parallel.device != "cuda" and "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node))
+    if job.launch.elastic and job.launch.rdzv_backend == "c10d":
+        child_env["MEGASHARD_RECOVERY"] = job.launch.recovery  # megashard.launch.live_agent
+    if job.launch.elastic and "TORCH_CPP_LOG_LEVEL" not in env:
+        # a node that dies breaks the connections of every store client on the others: torch's C++ code warns once
+        # per broken call with ~50 lines of stack (issue 40); megashard's own lines say what happened
+        child_env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     if job.launch.elastic and PEER_LOSS_GRACE_ENV not in env:
         # A worker that lost its peers waits for torchrun to stop it, so that a failure of its own node is reported
         # first. In an elastic job the lost peer is usually a node that left: leave soon (the agent re-forms the
@@ -301,6 +307,10 @@ def stopped_line(job: JobConfig, since: float) -> str:
         resume = read_marker(newest).step if newest else None
     except CheckpointError:
         resume = None
+    if job.launch.elastic:  # the other nodes may train on: this node only left the job
+        return (f"{where.replace('stopped', 'this node left the job', 1)}; the other nodes, if any, train on without "
+                "it: rerun the same command to join them again (or, once the job has ended, to resume it from "
+                + (f"step {resume})" if resume is not None else "the start)"))
     if resume is None:
         return f"{where}; no checkpoint was saved: rerun the same command to start again"
     how = "rerun the same command" if job.train.resume else "rerun without train.resume=false"

@@ -153,10 +153,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if job.launch.elastic and _unfillable(job):
             return EXIT_NO_RESTART  # launch.unfillable_world=stop (with wait, _unfillable only returns by an error)
         from megashard.state import init_distributed
+        from megashard.train.live_world import live_enabled
 
         startwatch.mark("init")
         try:
-            init_distributed(job.parallel)  # train() finds it up
+            if not live_enabled(job):  # live recovery forms its worlds in the rendezvous store (train.live)
+                init_distributed(job.parallel)  # train() finds it up
         except RuntimeError as e:  # a missing rank: torch's store timed out (the launcher named the missing rank)
             if type(e).__name__ not in ("DistStoreError", "DistNetworkError", "DistError"):
                 raise
@@ -164,7 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
             return 1
         startwatch.mark("joined")
-        train(job)
+        if live_enabled(job):  # across world changes, in this process
+            from megashard.train.live import train_live
+
+            train_live(job)
+        else:
+            train(job)
     except KeyboardInterrupt:  # torchrun forwards Ctrl-C; it reports the interruption itself
         return 130
     except Exception as e:

@@ -122,6 +122,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 _STAGE_MESHES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
+def forget_stage_meshes() -> None:
+    """Drop the cached stage meshes: a world re-formed in the same process (live recovery) has meshes equal to an
+    earlier world's (DeviceMesh compares by value) whose groups are gone."""
+    _STAGE_MESHES.clear()
+
+
 def _stage_mesh(mesh: Any) -> Any:
     """``mesh`` without its leading ``pp`` axis (cached): what one pipeline stage's parameters live on."""
     sub = _STAGE_MESHES.get(mesh)

@@ -141,6 +141,7 @@ def _train_run(job: JobConfig, state: Any, model: Any, optimizer: Any, sizes: An
     run.model, run.optimizer, run.sizes = model, optimizer, sizes
     run.world = types.SimpleNamespace(world_size=dist.get_world_size(), nodes=[])
     run.change = None
+    run.state_from = "none"  # what the first step reports: no checkpoint, no live copy
     run.run_id = "rehearsal"
     run.data = Batches(job.data, job.model, job.train.global_batch, job.parallel.seed, dp_rank=state.rank_in("dp"),
                        dp_size=sizes.dp, cp_rank=state.rank_in("cp"), cp_size=sizes.cp,

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from megashard.train.config import JobConfig
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_full_model", "resume_checkpoint",
-           "SaveSchedule"]
+           "SaveSchedule", "state_entries", "fresh_entries", "put_entries"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -109,18 +109,46 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     # The data position is a function of the step and the RNG is re-seeded from it: the report's notes on per-rank
     # loader and RNG state concern other loops (the job prints its own line: startpoint.resumed_line).
     report = checkpoint.load(path, sections=sd, parallel_state=state, restore_rng=False, log=False)
+    _put(sd, model, optimizer)
+    return int(report.step)
+
+
+def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> dict[str, Any]:
+    """What a checkpoint saves, as global DTensors over this rank's live tensors: ``{"model": {name: ...}, "optim":
+    {"<name>.exp_avg": ..., "<name>.step": ...}}`` (no optimizer entries before the first step). The live copies of
+    :mod:`megashard.train.memory_copies` hold the same."""
+    return _state_dict(model, optimizer, state, fresh=False)
+
+
+def fresh_entries(model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> list[tuple[str, Any]]:
+    """``(key, DTensor)`` targets of this layout to fill (new local tensors; keys as :mod:`memory_copies` names
+    them: ``model/<name>``, ``optim/<name>.<moment>``); :func:`put_entries` puts them into the model."""
+    sd = _state_dict(model, optimizer, state, fresh=True)
+    return [(f"{section}/{name}", v) for section in ("model", "optim") for name, v in sd[section].items()]
+
+
+def put_entries(entries: list[tuple[str, Any]], model: nn.Module, optimizer: torch.optim.Optimizer,
+                state: ParallelState) -> None:
+    """Copy filled :func:`fresh_entries` into the model's parameters and the optimizer's state."""
+    sd: dict[str, Any] = {"model": {}, "optim": {}}
+    for key, v in entries:
+        section, name = key.split("/", 1)
+        sd[section][name] = v
+    _put(sd, model, optimizer)
+
+
+def _put(sd: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local_tensor(p.detach()).copy_(sd["model"][name].to_local())
+            local_tensor(p.detach()).copy_(local_tensor(sd["model"][name]))
             st = optimizer.state.get(p)
             if st is None:
                 st = optimizer.state[p] = {}
             for key in _MOMENTS:
                 if key not in st:
                     st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                local_tensor(st[key]).copy_(sd["optim"][f"{name}.{key}"].to_local())
-            st["step"] = sd["optim"][f"{name}.step"].to(torch.float32).clone()
-    return int(report.step)
+                local_tensor(st[key]).copy_(local_tensor(sd["optim"][f"{name}.{key}"]))
+            st["step"] = local_tensor(sd["optim"][f"{name}.step"]).to(torch.float32).clone()
 
 
 def read_full_model(path: str) -> dict[str, torch.Tensor]:

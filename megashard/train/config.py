@@ -364,6 +364,8 @@ class JobConfig:
                          ("checkpoint.keep", c.keep),
                          ("launch.max_restarts", la.max_restarts)):
             _need(v >= 0, f"{where}={v} must be >= 0")
+        _need(c.memory_copies in (0, 1), f"checkpoint.memory_copies={c.memory_copies} must be 0 or 1 (copies of each "
+              "rank's shards kept in the memory of a rank on another node)")
         if c.load_step is not None:
             _need(c.load_step >= 0, f"checkpoint.load_step={c.load_step} must be >= 0 (a saved step) or null (the newest)")
         _need(c.load_step is None or c.load_path is None,

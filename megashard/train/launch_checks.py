@@ -19,7 +19,7 @@ import re
 from typing import Optional
 
 from megashard.errors import ConfigError, unknown_names
-from megashard.train.sections import UNFILLABLE_WORLD, LaunchConfig, parse_node_range
+from megashard.train.sections import RECOVERY, UNFILLABLE_WORLD, LaunchConfig, parse_node_range
 
 __all__ = ["check_launch", "check_endpoint", "rendezvous_backends", "TORCHRUN_BACKENDS", "MIN_NODE_TIMEOUT_S"]
 
@@ -112,6 +112,9 @@ def check_launch(la: LaunchConfig) -> None:
     if la.unfillable_world not in UNFILLABLE_WORLD:
         raise ConfigError(f"launch.unfillable_world={la.unfillable_world!r} must be one of "
                           f"{', '.join(UNFILLABLE_WORLD)}")
+    if la.recovery not in RECOVERY:
+        raise ConfigError(f"launch.recovery={la.recovery!r} must be one of {', '.join(RECOVERY)} (live: the running "
+                          "workers re-form the world in place; restart: torchrun restarts them from the checkpoint)")
 
 
 def rdzv_conf(la: LaunchConfig) -> str:

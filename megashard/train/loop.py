@@ -97,8 +97,12 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
 
     ``on_end(model, state)`` is called on every rank after the last step, before teardown (tests use it
     to compare parameters). Returns a :class:`TrainResult` on every rank.
+
+    (An elastic job with ``launch.recovery: live`` under megashard's agent trains with
+    :func:`megashard.train.live.train_live` instead: across world changes, in the same processes.)
     """
     run = TrainRun(job)
+    lost = False
     try:
         run.start()
         run.resume()
@@ -106,8 +110,17 @@ def train(job: JobConfig, *, on_end: Optional[Callable[[torch.nn.Module, Paralle
             run.step(step)
             run.save(step + 1)
         return run.end(on_end)
+    except BaseException as e:
+        from megashard.processes import is_peer_loss
+
+        lost = isinstance(e, Exception) and is_peer_loss(e)
+        raise
     finally:
-        run.close()
+        from megashard.processes import quiet_stderr
+
+        with quiet_stderr(lost):  # torch's C++ warnings of a store whose host died (~50 lines each): the agent says it
+            run.close()
+
 
 
 class TrainRun:
@@ -172,10 +185,11 @@ class TrainRun:
         model_parallel_manual_seed(job.parallel.seed)
         self.model, self.optimizer = build(job, state)
 
-    def resume(self) -> None:
+    def resume(self, live_step: Optional[int] = None) -> None:
         """From the newest checkpoint that verifies (or the requested one), then what the steps from its step on
         need: the batches, rank 0's metrics and progress bar, the pipeline schedule, the background saver. The clock
-        of the training steps starts here."""
+        of the training steps starts here. ``live_step``: the model and optimizer already hold the state of this step
+        (live recovery restored it from memory, :mod:`megashard.train.live`): no checkpoint is read."""
         from megashard.progress import ProgressBar
         from megashard.train.checkpointing import resume_checkpoint
         from megashard.train.data import Batches
@@ -187,8 +201,17 @@ class TrainRun:
         self.world = World.gather(state, sizes)  # every rank's node: what a later start compares with
         before = World.previous(job) if self.rank == 0 else None  # the previous start of this job, if any
         # run_id: what this run's checkpoints record (and prune); the previous start's when the job goes on
-        found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
-                                                      run_id=(before or {}).get("run_id"))
+        if live_step is None:
+            found, start, self.run_id = resume_checkpoint(job, self.model, self.optimizer, state,
+                                                          run_id=(before or {}).get("run_id"))
+        else:  # the previous world's run goes on (rank 0 may be another process now: world.json has its id)
+            from megashard.train.startpoint import plan_resume
+
+            box = [((before or {}).get("run_id") or plan_resume(job, None).run_id) if self.rank == 0 else None]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(box, src=0)
+            found, start, self.run_id = None, live_step, box[0]
+        self.state_from = "memory" if live_step is not None else "checkpoint" if found is not None else "none"
         self.change: Any = None
         if self.rank == 0 and before is not None:  # a restart or a new world: nodes, world and layout, steps redone
             self.change = self.world.compare(job, before, start)
@@ -203,7 +226,10 @@ class TrainRun:
         lr_schedule.apply(job)  # decay_steps resolved: what this run's checkpoints record
         if self.rank == 0:
             redone = self.change.redone_text() if self.change is not None else ""
-            if found is not None:
+            if live_step is not None:
+                print(f"megashard run: re-formed in place (no restart): state of step {start} from the memory of the "
+                      f"surviving ranks{redone}", file=sys.stderr, flush=True)
+            elif found is not None:
                 from megashard.train.startpoint import resumed_line
 
                 print(resumed_line(job, found, start, record, sizes) + redone, file=sys.stderr, flush=True)
@@ -229,7 +255,9 @@ class TrainRun:
             self.loggers = Loggers(job, start)
             self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), resume_step=start,
                                         loggers=self.loggers if self.loggers.active else None)
-        self.bar = ProgressBar(t.steps, start, enabled=t.progress and self.rank == 0, log_interval=t.log_interval)
+        # every node of an elastic job shows progress (a node that joined later would say nothing else): its local rank 0
+        shows = self.rank == 0 or (job.launch.elastic and os.environ.get("LOCAL_RANK") == "0")
+        self.bar = ProgressBar(t.steps, start, enabled=t.progress and shows, log_interval=t.log_interval)
         self.params = list(self.model.parameters())
         self.pipe: Any = None
         if sizes.pp > 1:
@@ -296,6 +324,7 @@ class TrainRun:
             record["mfu"] = record["model_tflops_per_device"] / self.peak.tflops
         if self.change is not None and done == result.start_step + 1:  # the first step after a restart or a change
             record["world_change"] = self.change.record(record["time"], dt)
+            record["world_change"]["state_from"] = self.state_from  # memory, checkpoint (read) or none (step 0)
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             record["valid_loss"] = result.valid_losses[done] = evaluate(model, self.data, t.eval_batches, state, pipe)
             if self.rank == 0:

@@ -25,6 +25,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 UNFILLABLE_WORLD = ("wait", "stop")
 #: ``train.wandb``: no W&B, files to sync later, or live (YAML reads a bare ``off`` as false: the same).
 WANDB_MODES = ("off", "offline", "online")
+RECOVERY = ("live", "restart")
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
 
@@ -210,6 +211,12 @@ class CheckpointConfig:
     retention); at most one save is in flight (the next save and the end of training wait for it). A failed
     background save is reported at the next checkpoint or at the end; the previous checkpoint stays loadable.
     (Python field: ``async_save``, as ``async`` is a keyword.)"""
+    memory_copies: int = 1
+    """Elastic jobs with ``launch.recovery: live``: copies of each rank's model and optimizer shards kept in the host
+    memory of ranks on other nodes (0 or 1), refreshed after every step, so that the state of a node that is lost
+    comes from memory, not from the newest checkpoint. 0: only HSDP replicas (``dp_outer > 1``) are live copies.
+    Costs per rank twice (this step and the one before) its own shards plus as much per copy, in host memory
+    (``megashard plan`` prints it); unused by jobs that are not elastic."""
 
     @property
     def interval_steps(self) -> int:
@@ -260,6 +267,12 @@ class LaunchConfig:
     """Elastic: what the job does when the rendezvous forms a world size the fixed axes (tp, cp, pp, ep) or the global
     batch cannot fill (``megashard plan`` lists them): ``wait`` (one line, then wait for a node to join or leave;
     nothing is written) or ``stop`` (one line, the job ends with exit code 2)."""
+    recovery: str = "live"
+    """Elastic: what a node leaving or joining costs the running workers. ``live``: they keep running — on a loss the
+    survivors re-form the world among themselves and take the lost shards from memory (``checkpoint.memory_copies``,
+    HSDP replicas); a joining node is taken in at a step boundary; the checkpoint is read only when no live copy
+    survives. ``restart``: torchrun restarts every worker into the new world, which resumes from the newest
+    checkpoint (docs/elastic.md)."""
     slurm: Optional[bool] = None
     """Read Slurm variables: ``null`` = when ``SLURM_JOB_ID`` is set (and launch.nnodes is not given on the command
     line), ``true`` = required, ``false`` = ignore them."""
