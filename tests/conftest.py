@@ -76,3 +76,40 @@ def _no_process_state_left_behind(request):
         dist.destroy_process_group()
     pytest.fail(f"{request.node.nodeid} left {' and '.join(left)} initialised in the pytest process: destroy it in a "
                 "finally (or a fixture's teardown), or the tests after it see it", pytrace=False)
+
+
+
+#: Seconds one test may take before the suite stops with every thread's traceback (MEGASHARD_TEST_LIMIT; 0: none).
+#: Not a speed check: a hang in one test would otherwise hold CI until its hard limit and say nothing.
+_TEST_LIMIT = float(os.environ.get("MEGASHARD_TEST_LIMIT", "900"))
+
+
+@pytest.fixture(autouse=True)
+def _a_hang_ends_the_run_with_tracebacks(request):
+    if _TEST_LIMIT <= 0:
+        yield
+        return
+    import contextlib
+    import threading
+
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def stop() -> None:
+        import faulthandler
+
+        # past pytest's capture (it would be lost with the process), to the terminal or CI's log
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            sys.stderr.write(f"\n{request.node.nodeid}: still running after {_TEST_LIMIT:.0f} s "
+                             f"(MEGASHARD_TEST_LIMIT); the suite stops here. Every thread:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(_TEST_LIMIT, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
