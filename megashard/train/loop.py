@@ -157,12 +157,11 @@ class TrainRun:
         self.finished = False
 
     def start(self) -> None:
-        """The hang doctor, the rest of the job validated against the layout, rank 0's hold on the checkpoint
-        directory, and the model and its optimizer built from the seed."""
+        """The rest of the job validated against the layout, rank 0's claim of the run directory and hold on the
+        checkpoint directory, the hang doctor, and the model and its optimizer built from the seed."""
         from megashard.state.rng import model_parallel_manual_seed
 
         job, state = self.job, self.state
-        self.doc = _start_doctor(job, state)
         if self.own_state:
             self.sizes = job.validate(sizes=state.sizes)  # the rest of the job, against the state's sizes
         else:  # someone else's state: the job's own sizes must be the state's
@@ -182,6 +181,10 @@ class TrainRun:
             claim_dir(job.out_dir, "run", "train.out_dir=")
             check_owned("checkpoint.dir=", job.checkpoint_dir, "checkpoints")
             self.lock = _hold_checkpoint_dir(job)
+        # Every rank's doctor writes <out_dir>/doctor/: only once rank 0 has claimed (made and marked) the run directory,
+        # which it refuses when it already holds files it did not make
+        _barrier(job.parallel.timeout)
+        self.doc = _start_doctor(job, state)
         model_parallel_manual_seed(job.parallel.seed)
         self.model, self.optimizer = build(job, state)
 
@@ -400,7 +403,7 @@ class TrainRun:
             self.world.write(self.job, self.run_id, result.final_step, ended=True)  # the next start is a new launch
         # The orderly end: every rank waits here until rank 0 has written its report and plot, so no rank tears its
         # groups down while another still runs (then the worker ends its groups: end_distributed).
-        _final_barrier(self.job.parallel.timeout)
+        _barrier(self.job.parallel.timeout)
         self.finished = True
         return result
 
@@ -439,7 +442,7 @@ def _start_doctor(job: JobConfig, state: ParallelState) -> Any:
     return megashard.doctor.enable(state, timeout=job.parallel.timeout, out_dir=job.out_dir)
 
 
-def _final_barrier(timeout: float) -> None:
+def _barrier(timeout: float) -> None:
     """A barrier of every rank on the default group, given up after ``timeout`` seconds (parallel.timeout)."""
     from datetime import timedelta
 
