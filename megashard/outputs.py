@@ -40,6 +40,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from megashard.errors import ConfigError
+from megashard.newfiles import is_torch_archive, new_file_mode, temp_path, torch_archive_comment
 
 __all__ = ["MARKER", "KINDS", "check_output_file", "check_output_dir", "check_owned", "claim_dir", "marker_kinds", "owner",
            "marker_problem", "record_files",
@@ -437,43 +438,3 @@ def claim_dir(path: str, kind: str, option: str = "") -> str:
     if kind not in kinds:
         _write_marker(path, kinds + [kind], (doc or {}).get("files"))
     return os.path.abspath(path)
-
-
-def temp_path(path: str, suffix: str = ".tmp") -> str:
-    """A new, empty, uniquely named file next to ``path`` (``.<name>.<random><suffix>``) to write and then rename
-    over ``path``: never the name of an existing file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix,
-                               dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; the renamed file gets the mode of any new file
-    return tmp
-
-
-def new_file_mode(directory: bool = False) -> int:
-    """The mode a new file gets here (0666 less the umask), as for a file made with open(); ``directory``: that of
-    a new directory (0777 less the umask), as os.mkdir makes it."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
-
-
-def torch_archive_comment(path: str) -> bytes:
-    """The zip comment of ``torch.save`` file ``path`` (b"" if none or unreadable): where megashard marks its own."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            return z.comment or b""
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return b""
-
-
-def is_torch_archive(path: str) -> bool:
-    """``path`` is a ``torch.save`` file (a zip archive holding ``<name>/data.pkl``)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(n.endswith("/data.pkl") for n in z.namelist()[:64])
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False

@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Layers, lowest first: a module may import its own layer and lower ones. The longest matching prefix wins.
 LAYERS: list[tuple[str, ...]] = [
     ("megashard._version", "megashard._compat", "megashard.errors", "megashard.chunks", "megashard.progress",
-     "megashard.introspect", "megashard.processes", "megashard.readers", "megashard.outputs"),
+     "megashard.introspect", "megashard.processes", "megashard.readers", "megashard.newfiles",
+     "megashard.outputs"),
     ("megashard.config",),
     ("megashard.layout",),
     ("megashard.state", "megashard.parallel_ranks", "megashard.parallel_state", "megashard.doctor", "megashard.megatron"),
