@@ -67,7 +67,8 @@ _CKPT_ENTRY = re.compile(r"^(step_\d+|\.tmp-step_\d+|\.trash-step_\d+.*|earlier-
                          r"|\.megashard\.lock(\.takeover|\..*\.tmp)?)$")
 _CKPT_FILES = ("COMPLETE.json", "megashard.json", ".metadata")
 _RUN_ENTRY = re.compile(r"^(config\.yaml(\.\d+\.tmp|\.tmp.*)?|\.config\.yaml\..*\.tmp|metrics\.jsonl|loss\.png"
-                        r"|world\.json(\.\d+\.tmp)?|checkpoints|doctor)$")
+                        r"|world\.json(\.\d+\.tmp)?|checkpoints|doctor"
+                        r"|summary\.json|wandb\.json|\.(summary|wandb)\.json\..*\.tmp|tensorboard|wandb)$")
 # <out_dir>/doctor/: each rank's record (megashard.doctor.watch), and a later world's records in restart_<k>/.
 _MARKER_TMP = re.compile(r"^\." + re.escape(MARKER) + r"\.[A-Za-z0-9_]+\.tmp$")  # temp_path()'s name for it
 _DOCTOR_RECORD = re.compile(r"^rank_\d+\.json(\.\d+\.tmp)?$")

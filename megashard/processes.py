@@ -10,7 +10,7 @@ import sys
 import socket
 from typing import Optional
 
-__all__ = ["hostname", "is_peer_loss", "pid_alive", "process_start_time", "quiet_stderr"]
+__all__ = ["EXIT_PEER_LOST", "hostname", "is_peer_loss", "pid_alive", "process_start_time", "quiet_stderr"]
 
 
 def pid_alive(pid: int, start_time: Optional[float] = None) -> bool:
@@ -77,7 +77,12 @@ def quiet_stderr(quiet: bool):
     return muted() if quiet else contextlib.nullcontext()
 
 
+EXIT_PEER_LOST = 75
+"""Exit code of a worker whose collective failed because another worker died (EX_TEMPFAIL): its agent
+(megashard.launch.agent, which re-exports it) treats it as a membership change, not a failure."""
+
 #: Substrings (lower case) of gloo / NCCL / TCPStore errors raised when a peer process went away.
+
 _PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv",
               "remote process exited", "communicator was aborted", "ncclremoteerror", "socket closed")
 

@@ -34,6 +34,7 @@ SKIPPED = {
     "tokenizers": "needs the optional Hugging Face tokenizers package (pip install 'megashard[data]')",
     "gpu-check": "sets up and runs the GPU check (tools/gpu-check.sh): tests/test_gpu_check.py runs it here",
     "safetensors": "needs the optional safetensors package (pip install 'megashard[hf]')",
+    "same-plan": "the same `megashard plan` command as an example run earlier (plan writes nothing: one run checks both)",
 }
 
 
@@ -127,12 +128,15 @@ def _all_examples() -> tuple[list[Example], list[tuple[str, str]]]:
     for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
         lines += _markdown_commands(path)
     lines += _epilog_commands() + _config_commands()
-    run, skipped = [], []
+    run, skipped, plans = [], [], set()
     for where, line, error in lines:
         for ex, reason in _classify(where, line, error):
             if ex is None:
                 skipped.append((where, reason))
+            elif ex.argv[0] == "plan" and (tuple(ex.argv), ex.error) in plans:  # e.g. llama-1b's --suggest, 3 places
+                skipped.append((where, "same-plan"))
             else:
+                plans.update([(tuple(ex.argv), ex.error)] if ex.argv[0] == "plan" else [])
                 run.append(ex)
     return run, skipped
 

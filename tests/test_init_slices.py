@@ -58,8 +58,9 @@ def test_a_vocab_sized_slice_needs_no_whole_parameter():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["shape"] == [16384, 512]
-    # the slice is 64 MiB and a block 8 MiB; the whole parameter would be 512 MiB
-    assert got["growth"] < 100 << 20, got
+    # the slice is 64 MiB (float64) and a block 8 MiB, plus what torch's first large draws touch (measured 80-104 MiB
+    # in all); the whole parameter would be 512 MiB
+    assert got["growth"] < 128 << 20, got
 
 
 def test_init_parameters_of_a_large_embedding_is_the_whole_draw():

@@ -165,7 +165,8 @@ def test_a_failure_without_restarts_is_reported_in_two_lines(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     doctor = [ln for ln in lines if ln.startswith("megashard doctor: ")]  # its peers, left waiting for the dead rank
     assert all("rank 1 never reached it" in ln for ln in doctor), _explain(p)
-    assert len(lines) - len(doctor) == 4, _explain(p)  # header, rank 1's own line, these two
+    checked = [ln for ln in lines if ln.startswith("megashard run: collectives: OK: ")]  # the check before launch
+    assert len(lines) - len(doctor) - len(checked) == 4, _explain(p)  # header, rank 1's own line, these two
 
 
 # ---------------------------------------------------------------------------------------------- process hygiene

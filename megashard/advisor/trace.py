@@ -221,13 +221,6 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
                                       f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
             i += 1
             continue
-        spent = time.perf_counter() - t0
-        if spent > TRACE_TOTAL_SECONDS:
-            result.trace_notes.append(f"{c.label()}: not traced (the traces took {spent:.0f} s, the most one "
-                                      f"--suggest spends on them is {TRACE_TOTAL_SECONDS:g} s; the modelled figure "
-                                      "decides)")
-            i += 1
-            continue
         job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)
         # a pipeline's trace runs every stage (the sends of one feed the receives of the next), the others one rank
         # per traced pipeline rank
@@ -236,6 +229,13 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
             result.trace_notes.append(f"{c.label()}: not traced (its ranks' steps are about {cost:,.0f} s of this CPU's "
                                       f"time, more than the {TRACE_SECONDS:g} s a trace may take; the modelled figure "
                                       "decides)")
+            i += 1
+            continue
+        spent = time.perf_counter() - t0
+        if spent + cost > TRACE_TOTAL_SECONDS:
+            result.trace_notes.append(f"{c.label()}: not traced (the traces took {spent:.0f} s and this one would take "
+                                      f"about {cost:.0f} s more; one --suggest spends at most {TRACE_TOTAL_SECONDS:g} s on "
+                                      "them: the modelled figure decides)")
             i += 1
             continue
         pp = c.sizes["pp"]

@@ -39,12 +39,10 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
-from megashard.processes import is_peer_loss  # noqa: E402 - re-exported (workers, user scripts)
+from megashard.processes import EXIT_PEER_LOST, is_peer_loss  # noqa: E402 - re-exported (workers, user scripts)
 
 __all__ = ["main", "is_peer_loss", "EXIT_PEER_LOST", "describe_exit", "is_elastic"]
 
-EXIT_PEER_LOST = 75
-"""Exit code of a worker whose collective failed because another worker died (EX_TEMPFAIL)."""
 EXIT_NO_RESTART = 2
 """Exit code of a worker that stopped on a megashard error (:class:`megashard.errors.MegashardError`): the same
 start would fail the same way, so the agent does not restart the job (and exits with this code itself)."""

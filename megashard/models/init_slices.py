@@ -59,5 +59,6 @@ def local_normal(shape: Sequence[int], cuts: Sequence[tuple[int, int, int]], std
         a, b = max(start, lo0), min(stop, hi0)
         if a < b:
             out[a - lo0:b - lo0] = block[(slice(a - start, b - start),) + index[1:]]
+        del block  # before the next block is allocated: one block in memory, not two
         start = stop
     return out

@@ -188,7 +188,7 @@ class LiveWorld:
         self._start_watch()
 
     def _start_watch(self) -> None:
-        from megashard.launch.agent import EXIT_PEER_LOST
+        from megashard.processes import EXIT_PEER_LOST
 
         self._stop, self._leaving = threading.Event(), threading.Event()
         key, stop, leaving, client = f"{self.prefix}/abort", self._stop, self._leaving, self._client()
