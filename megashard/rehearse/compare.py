@@ -23,6 +23,8 @@ that issued it, in the hang doctor's words (:mod:`megashard.doctor.diagnose`).
 """
 from __future__ import annotations
 
+import re
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -192,6 +194,27 @@ def _check_groups(ix: _Index) -> list[tuple[int, Finding]]:
     return out
 
 
+_SIG = re.compile(r"^(\w+)\[([\d, ]*)\](?:×(\d+))?$")
+
+
+def _same_buffer(send: str, recv: str) -> bool:
+    """A send and its receive pair up when they move as many elements of one dtype: a point-to-point moves a buffer,
+    so a scalar sent into a one-element tensor (torch 2.11's pipeline stages do so) is not a hang."""
+    if send == recv:
+        return True
+    a, b = _SIG.match(send), _SIG.match(recv)
+    if a is None or b is None:
+        return False
+
+    def numel(m: Any) -> int:
+        n = int(m.group(3) or 1)
+        for d in m.group(2).split(","):
+            n *= int(d) if d.strip() else 1
+        return n
+
+    return a.group(1) == b.group(1) and numel(a) == numel(b)
+
+
 def _check_p2p(ix: _Index) -> list[tuple[int, Finding]]:
     out = []
     for pair in sorted(set(ix.sends) | set(ix.recvs)):
@@ -203,7 +226,7 @@ def _check_p2p(ix: _Index) -> list[tuple[int, Finding]]:
             sc = ix.call(s, sends[k]) if k < len(sends) else None
             rc = ix.call(d, recvs[k]) if k < len(recvs) else None
             if sc is not None and rc is not None:
-                if sc.data_dependent or rc.data_dependent or sc.sig == rc.sig:
+                if sc.data_dependent or rc.data_dependent or _same_buffer(sc.sig, rc.sig):
                     continue
                 gname = _gname(ix.groups.get(sc.group), sc.group)
                 line = (f"mismatched point-to-point on {gname}: rank {s} sends #{k + 1} to rank {d}: {sc.op} {sc.sig} "

@@ -144,6 +144,25 @@ def _sig(t: Any) -> str:
     return sig(t)
 
 
+def _as_from_a_peer_like_this_rank(args: tuple, kwargs: dict) -> None:
+    """An even ``all_to_all_single`` (no split sizes) receives what this rank sends, as if every peer were like it —
+    what the ``fake`` backend of torch 2.13+ does itself; torch 2.11's leaves the output as allocated, and MoE's
+    exchange of pair counts then sizes a tensor from uninitialised memory. Uneven ones (their sizes given) receive
+    zeros, on every release alike: the rehearsal's values never matter, only what they size."""
+    names = ("output", "input", "output_split_sizes", "input_split_sizes")
+    given = dict(zip(names, args))
+    given.update({k: v for k, v in kwargs.items() if k in names})
+    out, inp = given.get("output"), given.get("input")
+    if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)) or out is inp:
+        return
+    with torch.no_grad():
+        if (given.get("output_split_sizes") is None and given.get("input_split_sizes") is None
+                and out.numel() == inp.numel()):
+            out.copy_(inp.reshape(out.shape))
+        else:
+            out.zero_()
+
+
 class Recorder:
     """The calls of rank ``rank`` (see the module docstring); ``channel``: the rehearsal's mailbox (None: receives
     are not waited for and get no values)."""
@@ -264,7 +283,10 @@ class Recorder:
             return self._object_collective(name, args, kwargs, info, seq)
         if name == "monitored_barrier":
             return None
-        return spec.fn(*args, **kwargs)
+        out = spec.fn(*args, **kwargs)
+        if name == "all_to_all_single" and not spec.functional:
+            _as_from_a_peer_like_this_rank(args, kwargs)
+        return out
 
     def _functional_group(self, group: Any, tag: Any) -> Any:
         from megashard._compat import functional_group_name, process_group_by_name
