@@ -80,7 +80,7 @@ from megashard._compat.funcol import (
     process_group_by_name,
 )
 from megashard._compat.mesh import mesh_flatten, mesh_flattened_names, mesh_release_groups
-from megashard._compat.pipelining import pipeline_stage_class
+from megashard._compat.pipelining import pipeline_stage_class, pipelines_infer_shapes_on_fake
 from megashard._compat.version import TORCH_VERSION
 
 __all__ = [
@@ -91,7 +91,7 @@ __all__ = [
     "dcp_set_element", "default_store", "destroy_group_keep_name", "dispatch_api", "dtensor_gather_crashes",
     "dtensor_local", "elastic_agent_gives_up_on", "elastic_agent_live_hooks", "export_rendezvous_round", "fake_store",
     "functional_collectives", "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs",
-    "install_numpy_free_object_collectives", "process_group_by_name",
+    "install_numpy_free_object_collectives", "pipelines_infer_shapes_on_fake", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
     "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped", "rendezvous_joined", "set_group_world_size", "strided_shard_class",

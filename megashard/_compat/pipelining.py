@@ -28,3 +28,31 @@ def pipeline_stage_class() -> type:
 
 
 _STAGE_CLASS: list = []  # built on first use: importing pipelining loads DTensor
+
+
+def pipelines_infer_shapes_on_fake() -> None:
+    """In a rehearsal process (the ``fake`` backend, megashard.rehearse): let a pipeline schedule infer its stages'
+    shapes as it does on a real backend.
+
+    torch 2.15's schedules refuse a ``fake`` process group unless every stage was given static shape metadata
+    ("requires dynamic shape inference, which is not supported with a fake process group"); megashard's stages infer
+    their shapes, and a rehearsal carries the inference's point-to-point messages itself (its broker), as it does on
+    torch 2.11 and 2.13, whose schedules do not look at the backend. Here the schedules module sees ``gloo`` where the
+    group is ``fake`` — it then votes and pre-connects as on gloo (calls a real run makes too) — and nothing else
+    changes. A no-op where the schedules module does not ask for the backend."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as schedules
+
+    if getattr(schedules, "dist", None) is not dist or not hasattr(dist, "get_backend"):
+        return  # already done in this process, or a release whose schedules reach torch.distributed otherwise
+
+    class _SeesGloo:
+        def __getattr__(self, name: str):
+            return getattr(dist, name)
+
+        @staticmethod
+        def get_backend(group=None):
+            backend = dist.get_backend(group)
+            return "gloo" if str(backend) == "fake" else backend
+
+    schedules.dist = _SeesGloo()

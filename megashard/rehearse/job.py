@@ -94,7 +94,7 @@ class JobRank:
         import torch.distributed as dist
 
         import megashard.state as ms
-        from megashard._compat import fake_store
+        from megashard._compat import fake_store, pipelines_infer_shapes_on_fake
         from megashard.state.rng import model_parallel_manual_seed
         from megashard.train.build import build
         from megashard.train.loop import job_fingerprint
@@ -102,6 +102,7 @@ class JobRank:
         job = self.job
         ctx = self.context = RankContext(rank, self.world_size, job, recorder=recorder)
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=self.world_size)
+        pipelines_infer_shapes_on_fake()  # torch 2.15's schedules: shapes inferred through the rehearsal's messages
         recorder.install()
         ctx.state = state = ms.initialize(job.parallel, agree_on=job_fingerprint(job))
         model_parallel_manual_seed(job.parallel.seed)

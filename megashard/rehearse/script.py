@@ -78,7 +78,7 @@ class ScriptRank:
 
         import megashard.doctor
         import megashard.state.devices as devices
-        from megashard._compat import fake_store
+        from megashard._compat import fake_store, pipelines_infer_shapes_on_fake
 
         world_size = self.world_size
         original_init = c10d.init_process_group
@@ -88,6 +88,7 @@ class ScriptRank:
             if dist.is_initialized():
                 return original_init(*args, **kwargs)  # torch's own error
             original_init("fake", store=fake_store(), rank=rank, world_size=world_size)
+            pipelines_infer_shapes_on_fake()  # torch 2.15's schedules: shapes inferred through the rehearsal
 
         def new_group(*args: Any, **kwargs: Any) -> Any:
             kwargs.pop("backend", None)
