@@ -147,20 +147,19 @@ def _sig(t: Any) -> str:
 def _as_from_a_peer_like_this_rank(args: tuple, kwargs: dict) -> None:
     """An even ``all_to_all_single`` (no split sizes) receives what this rank sends, as if every peer were like it —
     what the ``fake`` backend of torch 2.13+ does itself; torch 2.11's leaves the output as allocated, and MoE's
-    exchange of pair counts then sizes a tensor from uninitialised memory. Uneven ones (their sizes given) receive
-    zeros, on every release alike: the rehearsal's values never matter, only what they size."""
+    exchange of pair counts then sizes a tensor from uninitialised memory. Uneven ones (their sizes given) keep the
+    backend's output: its values route the next MoE layer's tokens, so zeros would send every token to one expert
+    and change what a traced rank holds."""
     names = ("output", "input", "output_split_sizes", "input_split_sizes")
     given = dict(zip(names, args))
     given.update({k: v for k, v in kwargs.items() if k in names})
     out, inp = given.get("output"), given.get("input")
     if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)) or out is inp:
         return
-    with torch.no_grad():
-        if (given.get("output_split_sizes") is None and given.get("input_split_sizes") is None
-                and out.numel() == inp.numel()):
+    if (given.get("output_split_sizes") is None and given.get("input_split_sizes") is None
+            and out.numel() == inp.numel()):
+        with torch.no_grad():
             out.copy_(inp.reshape(out.shape))
-        else:
-            out.zero_()
 
 
 class Recorder:
