@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests._doctor_torchrun import doctor_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "_doctor_user_script.py")
@@ -24,18 +24,7 @@ T = 3.0
 
 def _torchrun(mode: str, nproc: int, run_dir: str) -> tuple[dict[int, str], str]:
     """Run the script; returns each waiting rank's doctor line (rank -> line) and torchrun's whole stderr."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, mode,
-           run_dir, str(T)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    lines = {}
-    for line in p.stderr.splitlines():
-        if line.startswith("megashard doctor: rank "):
-            rank = int(line.split()[3])
-            assert rank not in lines, f"rank {rank} reported twice:\n{p.stderr[-3000:]}"
-            lines[rank] = line
-    return lines, p.stderr
+    return doctor_torchrun(mode, nproc, run_dir, T, limit_s=180)
 
 
 def _findings(run_dir: str) -> dict[int, dict]:
