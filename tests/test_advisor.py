@@ -217,7 +217,8 @@ def test_kendall_tau_and_noise_notes():
 
 
 def test_schedule_orders_are_pytorchs():
-    """advisor/schedule.py restates PyTorch's interleaved 1F1B and ZBV orders (which microbatches are alive when):
+    """advisor/schedule.py restates PyTorch's interleaved 1F1B and ZBV orders (which microbatches are alive when; ZBV's
+    weight backwards too):
     compared with PyTorch's own ``_calculate_single_rank_operations`` for many sizes."""
     from megashard.advisor.schedule import rank_actions
 
@@ -236,7 +237,8 @@ def test_schedule_orders_are_pytorchs():
         for a in cls._calculate_single_rank_operations(o, r):
             if a is None:
                 continue
-            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B"}.get(a.computation_type.name)
+            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B",
+                    "BACKWARD_WEIGHT": "W"}.get(a.computation_type.name)
             if kind is None:
                 continue
             if cls is S.ScheduleZBVZeroBubble:

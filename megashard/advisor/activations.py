@@ -85,3 +85,26 @@ def head_activation(s: JobShape, t: int, tp: int, stage_output: bool = False) ->
         saved += t * V * e
     extra = 2 * t * V * F32 + (t * V * e if e != F32 else 0)
     return saved, extra
+
+
+def weight_grad_inputs(s: JobShape, t: int, tp: int, moe: bool, ep: int = 1, expt_tp: int = 1) -> int:
+    """Bytes of one block's gradients that a split backward (zbv: ``stage_backward_input``) keeps for its weight step:
+    the gradient at the output of every op with a weight (the param groups' intermediates), held from the input
+    backward until the weight backward. Both norms' outputs, the QKV output (3 · t·h/tp), the projection's output (the
+    residual stream's gradient), the block's output (the MLP's last linear's), and the MLP's first linear(s)
+    (gpt: fc1; llama: gate and up; MoE, by the same rule but not measured: the router's logits and each routed pair's
+    expert output and hidden). Measured at the peak of zbv jobs (gpt fp32 and bf16, llama; docs/advisor.md)."""
+    e, h = s.act_bytes, s.hidden
+    out = (4 * t * h + 3 * t * h // tp) * e
+    if moe:
+        f = s.ffn // expt_tp
+        out += t * s.num_experts * e + moe_pairs(s, t, tp, ep, expt_tp) * (h + (1 if s.arch == "gpt" else 2) * f) * e
+    else:
+        out += (1 if s.arch == "gpt" else 2) * t * (s.ffn // tp) * e
+    return out
+
+
+def head_weight_grad_inputs(s: JobShape, t: int, tp: int) -> int:
+    """What the last stage's final norm and head add to :func:`weight_grad_inputs`: the norm output's gradient and the
+    logits' (the head's output; under bf16 the bf16 copy the head's weight gradient is computed from)."""
+    return t * s.hidden * s.act_bytes + t * (s.vocab // tp) * s.act_bytes

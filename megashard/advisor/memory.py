@@ -22,12 +22,14 @@ It counts what ``megashard run`` really keeps (docs/advisor.md has every formula
 - **logits**: the vocabulary-parallel cross entropy's softmax, its gradient and a scratch copy (3 · tokens · vocab/tp
   floats at the start of backward);
 - **transients**: the optimizer step's scratch copy (foreach AdamW's ``sqrt(v)``: one fp32 copy of the shard),
-  the pipeline's receive buffers, the synthetic data.
+  the pipeline's receive buffers and the tensors it sent (kept with their sends' works until the step's end by
+  GPipe, interleaved 1F1B and zbv), the synthetic data.
 
 The peak is the largest of these moments: the end of forward / start of backward, the start and the end
 (reduce-scatter) of each block's backward, an MoE block's experts' backward (every stacked expert weight's gradient
-at full size — ``select_backward`` of ``w[e]`` — plus a new one and their sum), and the optimizer step
-(:func:`estimate_memory`). No torch import, no process.
+at full size — ``select_backward`` of ``w[e]`` — plus a new one and their sum), zbv's split backward (an input
+backward keeps the whole graph and the gradients its weight backward needs, :func:`weight_grad_inputs`, until that
+runs), and the optimizer step (:func:`estimate_memory`). No torch import, no process.
 """
 from __future__ import annotations
 
@@ -39,11 +41,13 @@ from megashard.advisor.activations import (  # noqa: F401 - re-exported (their o
     F32,
     block_activation,
     head_activation,
+    head_weight_grad_inputs,
     moe_pair_bytes,
     moe_pairs,
+    weight_grad_inputs,
 )
 from megashard.advisor.host import token_bytes
-from megashard.advisor.schedule import alive_peak, rank_actions
+from megashard.advisor.schedule import alive_peak, local_neighbours, rank_actions
 from megashard.advisor.shape import JobShape, block_params, numel, root_params, sharded_numel
 
 
@@ -55,7 +59,8 @@ class MemoryEstimate:
     rank: int
     """Pipeline rank whose peak is largest (0 without a pipeline)."""
     phase: str
-    """Where that peak is: ``forward end``, ``backward block i``, ``optimizer step``."""
+    """Where that peak is: ``forward end``, ``backward block i``, ``optimizer step``, zbv's ``input backward block i``,
+    ``weight backward`` …"""
     parts: dict[str, int] = field(default_factory=dict)
     """Bytes by kind at the peak: params, grads, optimizer, gathered, activations, logits, transient, data."""
     activation_per_block: int = 0
@@ -127,6 +132,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     expert_big: list[int] = []  # elements of each block's largest expert tensor (0: a dense block)
     expert_n: list[int] = []  # how many expert tensors of that size (gpt: w1, w2; llama: w1, w3, w2)
     pairs_of: list[int] = []  # routed pairs of each block's experts per microbatch (0: a dense block)
+    wgi: list[int] = []  # bytes of each block's gradients a split backward (zbv) holds for its weight step
+    w_big: list[int] = []  # elements of each block's largest weight
     stage_of: list[int] = []  # the local stage of each block
     moe_shard = 0
     last = any(st[1] for st in stages)
@@ -143,6 +150,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             expert_n.append(sum(a * b == expert_big[-1] for a, b in x))
             pairs_of.append(moe_pairs(s, t, tp, ep, etp) if moe else 0)
             acts.append(block_activation(s, t, tp, moe, ep, etp, s.seq // cp, cp))
+            wgi.append(weight_grad_inputs(s, t, tp, moe, ep, etp))
+            w_big.append(max(a * b for a, b in d + x))
             stage_of.append(v)
             if x:
                 moe_shard = max(moe_shard, sharded_numel(x, n_expert) * pb)
@@ -223,8 +232,20 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
         if name not in phases or total > phases[name][0]:
             phases[name] = (total, parts)
 
+    # Tensors a pipeline schedule sent to another rank: the runtime schedules (interleaved_1f1b, zbv) and GPipe keep
+    # every send's work, and with it the tensor (a non-last stage's output, a non-first one's input gradient), until
+    # the end of the step; 1F1B waits each send at its next action, so an input gradient sent after a backward lives
+    # through the next backward only (its cool-down). zbv's input backward also leaves each input gradient as its
+    # receive buffer's .grad, which the schedule clears when the next step starts.
+    zbv = pp > 1 and s.schedule == "zbv"
+    keeps_sends = pp > 1 and s.schedule in ("gpipe", "interleaved_1f1b", "zbv")
+    local_prev, local_next = local_neighbours(s.schedule, pp, vpp, r)
+    send_in = [pp > 1 and not st[0] and not local_prev[v] for v, st in enumerate(stages)]
+    send_out = [pp > 1 and not st[1] and not local_next[v] for v, st in enumerate(stages)]
+    sent = pending = 0
     # optimizer step: sharded gradients and one scratch copy of the shard (foreach sqrt of exp_avg_sq)
-    moment("optimizer step", state + grads + shard * pb + bufs, {"grads": grads, "transient": shard * pb + bufs})
+    tx = bufs + (mb * act * sum(send_in) if zbv else 0)
+    moment("optimizer step", state + grads + shard * pb + tx, {"grads": grads, "transient": shard * pb + tx})
 
     # Walk the schedule (megashard.advisor.schedule): which microbatches' activations are alive, and which gradients
     # exist. Without a pipeline, microbatches accumulate under FSDP's no-sync (every unsharded gradient kept) until
@@ -235,30 +256,103 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     alive: dict[tuple[int, int], int] = {}
     by_stage = [[j for j in range(n) if stage_of[j] == v] for v in range(len(stages))]
 
+    # Under mixed precision FSDP keeps an fp32 sum of the bf16 gradients autograd makes, folded in by each block's
+    # post-backward hook; zbv's weight backward makes them after that hook ran (in the input backward), so they wait in
+    # bf16 for the stage's next input backward (each block's until its own hook, the head's until its end) or the
+    # step's end. unfolded[j]: block j's (index n: the head's) bytes waiting.
+    unfolded = [0] * (n + 1)
+    head_u = numel(root_params(s, tp, False, True)) * ce if last else 0
+
     def grads_now(head_started: bool) -> int:
         g = sum(block_g[j] if st == 1 else block_s[j] if st == 2 else 0 for j, st in enumerate(grad_state))
-        return g + (root_g if any_backward else head_g if head_started else 0)
+        return g + (root_g if any_backward else head_g if head_started else 0) + sum(unfolded)
+
+    def zbv_input_backward(v: int, other: int, tx: int) -> int:
+        """zbv's input backward of a non-first stage (``stage_backward_input``): it retains the graph for the weight
+        step, so none of the microbatch's activations goes, and it holds the gradient at every weighted op's output
+        (:func:`weight_grad_inputs`) until then. Returns what the microbatch keeps afterwards."""
+        st_last = stages[v][1]
+        gr = grads_now(False)
+        base = other + stage_act[v]
+        held = 0
+        if st_last:  # the loss's backward starts as in a full backward
+            moment("backward start", state + g_fwd + ag_buf + base + head_extra + gr + tx,
+                   {"gathered": g_fwd, "activations": base, "logits": head_extra, "grads": gr,
+                    "transient": tx + ag_buf})
+            held = head_weight_grad_inputs(s, t, tp)
+        top = by_stage[v][-1] if by_stage[v] else -1
+        # a block's deepest moments (measured): its attention's backward, every held gradient but the first norm's and
+        # q, k, v's gradients beside their stacked copy (the QKV output's); or its first norm's backward, with all of
+        # them: LayerNorm's fused kernel makes the input's gradient and the residual sum, RMSNorm five [t, h] terms
+        # (x², its scaled gradient, the two paths and their sum; fp32 under bf16 but the first)
+        norm_bwd = 2 * t * h * e if s.arch == "gpt" else t * h * (e + 4 * F32)
+        for j in reversed(by_stage[v]):
+            # a non-last stage's top block gets its output's gradient in the receive buffer (counted with them)
+            wg = wgi[j] - (act if j == top and not st_last else 0)
+            g = all_u if gathered_all else (root_u + block_u[j] + (block_u[j - 1] if j > 0 else 0)
+                                            + sum(kept_u[:max(0, j - 1)]))
+            work = held + wg + max(3 * t * h // tp * e - act, norm_bwd)
+            moment(f"input backward block {j}", state + g + base + work + gr + tx,
+                   {"gathered": g, "activations": base, "grads": gr, "transient": tx + work})
+            held += wg
+            if unfolded[j]:  # its post-backward hook folds the bf16 gradients into the fp32 sum (made by the first)
+                unfolded[j], grad_state[j] = 0, 1
+            gr = grads_now(False)
+        unfolded[n] = 0 if st_last else unfolded[n]
+        # then the loss's part of the graph goes (the last stage's log-softmax and logits)
+        loss_part = t * (s.vocab // tp) * (F32 + e) if st_last else 0
+        return stage_act[v] - loss_part + held
 
     for kind, v, m in rank_actions(s.schedule, pp, vpp, mb, r):
-        st_last = stages[v][1]
+        st_first, st_last = stages[v][0], stages[v][1]
+        if kind == "F":
+            pending = 0  # 1F1B waits the last backward's send together with this forward's receive
+        tx = bufs + sent + pending
         if kind == "F":
             alive[(v, m)] = stage_act[v]
             a_all = sum(alive.values())
             gr = grads_now(False)
             if not st_last or pp > 1:
                 moment("forward end" if pp == 1 else f"forward, microbatch {m}",
-                       state + g_fwd + a_all + gr + bufs, {"gathered": g_fwd, "activations": a_all, "grads": gr,
-                                                           "transient": bufs})
+                       state + g_fwd + a_all + gr + tx, {"gathered": g_fwd, "activations": a_all, "grads": gr,
+                                                         "transient": tx})
+            continue
+        other = sum(a for key, a in alive.items() if key != (v, m))
+        if zbv and kind == "B" and st_first:
+            continue  # the first stage's input backward is empty (no input needs a gradient): its W is a full one
+        if zbv and not st_first:
+            if kind == "B":
+                alive[(v, m)] = zbv_input_backward(v, other, tx)
+                sent += act if send_in[v] else 0
+            else:  # the weight backward: weight by weight (forward order), each one's gradient from its held output
+                # gradient, then that part of the graph goes: at its start the whole graph and the first new gradient
+                # (summed in place into the one kept; mixed precision: the bf16 one FSDP folds in later), at its end
+                # none of the graph and every new gradient
+                head = root_params(s, tp, False, True) if st_last else []
+                new = max(a * b for a, b in head + [(w_big[j], 1) for j in by_stage[v]]) * (ce if gb != ce else gb)
+                g = all_u if gathered_all else root_u + sum(block_u[j] for j in by_stage[v])
+                gr = grads_now(True)
+                a_all = other + alive.pop((v, m))
+                moment("weight backward", state + g + a_all + gr + new + tx,
+                       {"gathered": g, "activations": a_all, "grads": gr + new, "transient": tx})
+                for j in by_stage[v]:
+                    grad_state[j] = 1 if gb == ce else grad_state[j]
+                    unfolded[j] = block_u[j] if gb != ce else 0
+                unfolded[n] = head_u if st_last and gb != ce else unfolded[n]
+                any_backward = True
+                sent += act if send_out[v] else 0
+                gr = grads_now(True)
+                moment("weight backward (end)", state + g + other + gr + bufs + sent,
+                       {"gathered": g, "activations": other, "grads": gr, "transient": bufs + sent})
             continue
         sync = pp == 1 and m == mb - 1  # the microbatch whose backward reduce-scatters
-        other = sum(a for key, a in alive.items() if key != (v, m))
         if st_last:  # the loss's backward starts: every activation alive, the logits' gradients
             a_all = other + stage_act[v]
             gr = grads_now(False)
-            total = state + g_fwd + ag_buf + a_all + head_extra + gr + bufs
+            total = state + g_fwd + ag_buf + a_all + head_extra + gr + tx
             moment("forward end" if pp == 1 else "backward start", total,
                    {"gathered": g_fwd, "activations": a_all, "logits": head_extra, "grads": gr,
-                    "transient": bufs + ag_buf})
+                    "transient": tx + ag_buf})
         mine = stage_act[v] - (head_saved if st_last else 0)
         rs_held = 0  # FSDP2 keeps the last reduce-scatter's input until the next block's post-backward
         for j in reversed(by_stage[v]):
@@ -277,8 +371,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             prefetch = block_u[i - 1] if i > 0 and not gathered_all else 0
             held = max(0, held - prefetch)
             start = start_bwd if not pairs_of[i] else t * h * e
-            moment(f"backward block {i}", state + g + before + start + gr + bufs + held + rs_held,
-                   {"gathered": g, "activations": before + start, "grads": gr, "transient": bufs + held + rs_held})
+            moment(f"backward block {i}", state + g + before + start + gr + tx + held + rs_held,
+                   {"gathered": g, "activations": before + start, "grads": gr, "transient": tx + held + rs_held})
             # its end: its new unsharded gradients (experts: each stacked weight's gradient arrives as a full-size
             # tensor, select_backward, summed into the weight's: one more of the largest alive meanwhile); reduced
             # now (no pipeline, mb = 1 or the last microbatch: autograd's gradients and the reduce-scatter's copy),
@@ -290,8 +384,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             end_g = gr + new + ((block_g[i] if grad_state[i] != 1 else 0) + block_s[i] if reduced else 0)
             # FSDP2 frees the block's unsharded parameters (reshard after backward) before it reduce-scatters
             g_rs = g - (0 if gathered_all else block_u[i])
-            moment(f"backward block {i} (reduce-scatter)", state + g_rs + after + end_g + bufs,
-                   {"gathered": g_rs, "activations": after, "grads": end_g, "transient": bufs})
+            moment(f"backward block {i} (reduce-scatter)", state + g_rs + after + end_g + tx,
+                   {"gathered": g_rs, "activations": after, "grads": end_g, "transient": tx})
             if pairs_of[i]:
                 # the experts' backward, one expert after another (the first one's activations freed): each stacked
                 # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
@@ -302,8 +396,8 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                 work = (expert_n[i] + 2) * expert_big[i] * gb
                 grads_moe = (t * h + 2 * pairs_of[i] * h + per_expert * (s.ffn // etp)) * e
                 c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
-                moment(f"backward block {i} (experts)", state + g + c_act + gr + work + bufs + rs_held,
-                       {"gathered": g, "activations": c_act, "grads": gr + work, "transient": bufs + rs_held})
+                moment(f"backward block {i} (experts)", state + g + c_act + gr + work + tx + rs_held,
+                       {"gathered": g, "activations": c_act, "grads": gr + work, "transient": tx + rs_held})
             grad_state[i] = 2 if reduced else 1
             rs_held = block_g[i] if reduced and n_dense > 1 else 0
         if stages[v][0]:
@@ -312,15 +406,20 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             g = all_u if gathered_all else root_u
             a_rest = other + stage_act[v] - sum(kept[j] for j in by_stage[v]) - (head_saved if st_last else 0)
             gr = grads_now(True)
-            moment("embedding backward", state + g + a_rest + gr + emb + bufs + rs_held,
-                   {"gathered": g, "activations": a_rest, "grads": gr + emb, "transient": bufs + rs_held})
+            moment("embedding backward", state + g + a_rest + gr + emb + tx + rs_held,
+                   {"gathered": g, "activations": a_rest, "grads": gr + emb, "transient": tx + rs_held})
         alive.pop((v, m), None)
         any_backward = True
+        if keeps_sends:
+            sent += act * (send_in[v] + send_out[v])
+        else:
+            pending = act if send_in[v] else 0
     if pp > 1:  # the end of the step: every stage's unsharded gradients reduce-scattered, one block's copy at a time
         g = all_u if gathered_all else root_u
         gr = grads_now(True)
-        moment("reduce-scatter (end of step)", state + g + gr + max(block_g, default=0) + bufs,
-               {"gathered": g, "grads": gr + max(block_g, default=0), "transient": bufs})
+        gr += max(block_g, default=0)
+        moment("reduce-scatter (end of step)", state + g + gr + bufs + sent,
+               {"gathered": g, "grads": gr, "transient": bufs + sent})
     phase, (peak, parts) = max(phases.items(), key=lambda kv: kv[1][0])
     at = {k.replace(" (reduce-scatter)", "").replace(" (experts)", ""): v for k, (v, _) in phases.items()}
     full = {"params": params, "grads": 0, "optimizer": optim, "gathered": 0, "activations": 0, "logits": 0,
