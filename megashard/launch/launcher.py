@@ -328,12 +328,30 @@ def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
         proc.wait()
 
 
+def _joins_running_job(la: LaunchConfig) -> bool:
+    """Whether an elastic c10d job's rendezvous store already answers: a launcher of the job hosts it, and that
+    launcher ran the check before launch before it started torchrun. Unsure (no port, unreachable): False."""
+    import socket
+
+    host, _, port = (la.rdzv_endpoint or "").rpartition(":")
+    if not (la.elastic and la.rdzv_backend == "c10d" and host and port.isdigit()):
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _check_collectives(job: JobConfig, world_size: int, dry_run: bool, collectives: Optional[bool]) -> bool:
     """The check before launch (:mod:`megashard.rehearse.before_launch`): with ``collectives`` True always, None
     (the default) when it is cheap and this is no dry run, False never. True when it found a problem."""
     from megashard.rehearse.before_launch import check_job, is_cheap
 
     if collectives is False or (collectives is None and (dry_run or not is_cheap(job, world_size))):
+        return False
+    if collectives is None and _joins_running_job(job.launch):  # its first launcher checked this config already
+        print("megashard run: collectives: not checked again: this node joins a running job", file=sys.stderr)
         return False
     code = check_job(job, world_size, stream=sys.stderr)
     if code and not dry_run:
