@@ -213,6 +213,11 @@ def test_each_live_change_is_told_in_one_line_each(tp2):
                        r"the surviving ranks; (no step redone|1 step redone \(step \d+ of the previous start\))\n", log)
     assert len(lines) == 2, log
     assert "resumed from" not in log, log  # no checkpoint was read
+    # the check before launch: the first launcher ran it; B found the store answering (A's) and did not run it again
+    assert "megashard run: collectives: OK: " in log, log
+    for node in run.nodes[1:]:
+        assert "megashard run: collectives: not checked again: this node joins a running job\n" in node.log(), node.log()
+        assert "collectives: OK" not in node.log(), node.log()
 
 
 @pytest.mark.parametrize("name", ["pp2", "hsdp", "moe"])
