@@ -230,7 +230,7 @@ def test_a_launcher_joining_a_running_elastic_job_does_not_check_again():
     join). Nothing answering, a static or non-elastic job: the check runs."""
     import socket
 
-    from megashard.launch.launcher import _joins_running_job
+    from megashard.launch.preflight import joins_running_job as _joins_running_job
     from megashard.train.sections import LaunchConfig
 
     with socket.socket() as srv:
@@ -243,3 +243,14 @@ def test_a_launcher_joining_a_running_elastic_job_does_not_check_again():
                                                    rdzv_endpoint=f"localhost:{port}"))
     assert not _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_endpoint=f"localhost:{port}"))  # closed now
     assert not _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_endpoint=None))
+
+
+def test_a_bad_megashard_check_setting_is_one_line_before_anything_is_read(tmp_path):
+    env = {**os.environ, "MEGASHARD_CHECK": "maybe"}
+    p = subprocess.run([sys.executable, "-m", "megashard", "run", "configs/default.yaml",
+                        f"train.out_dir={tmp_path}/run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == ("megashard run: error: MEGASHARD_CHECK='maybe' is not a setting: auto (the default: check a "
+                        "cheap job before launch) or off (as --no-check)\n"), p.stderr
+    assert not os.path.exists(tmp_path / "run")
