@@ -81,7 +81,8 @@ class ElasticRun:
     """The launchers of one elastic job, its files and the conditions a scenario waits for."""
 
     def __init__(self, out_dir: str, config: str, overrides: list, *, nnodes: str = "1:2", nproc: int = 2,
-                 last_call: int = 4, node_timeout: int = 3, timeout: float = 300.0, host_store: bool = False) -> None:
+                 last_call: int = 4, node_timeout: int = 3, timeout: float = 300.0, host_store: bool = False,
+                 check: Optional[bool] = None) -> None:
         self.out, self.timeout = out_dir, timeout
         # the launchers' logs and the pause file beside the run directory: megashard writes only into a directory of
         # its own, and the test's files are not megashard's
@@ -104,6 +105,8 @@ class ElasticRun:
                      "launch.max_restarts=0", f"train.out_dir={out_dir}", "train.progress=false"]
         self.env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1", "MEGASHARD_PAUSE_FILE": self.pause_file}
+        if check is not None:  # the check before launch as a user gets it (True) or off; None: as the environment says
+            self.env["MEGASHARD_CHECK"] = "auto" if check else "off"
         self.nodes: list[Node] = []
 
     def node(self, name: str) -> Node:

@@ -7,6 +7,10 @@ _REAL_CUDA: list = []  # [torch.cuda.is_available()] of this machine, asked once
 
 # Spawned gloo ranks share two cores: one thread each keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The check before launch (megashard.launch.preflight.check_collectives) rehearses every rank of a job before
+# `megashard run` starts it: ~5-10 s of these two cores per launch. Tests of other things launch without it; the
+# tests of the check itself and of the README's command turn it back on (MEGASHARD_CHECK=auto in their env).
+os.environ.setdefault("MEGASHARD_CHECK", "off")
 
 
 def pytest_configure(config):

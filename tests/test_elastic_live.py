@@ -118,7 +118,7 @@ def _check_changes(run, n):
     return changes
 
 
-def _live_scenario(tmp_path_factory, name, *, kill=1, during_save=False):
+def _live_scenario(tmp_path_factory, name, *, kill=1, during_save=False, check=None):
     """Nodes A and B at world 4; node ``kill`` SIGKILLed after step 5 (``during_save``: while the next checkpoint is
     written); the survivor trains 3 steps at world 2 (held there); B2 joins; the job finishes at world 4. The
     survivor's worker pids are noted at world 4, at world 2 and at the end."""
@@ -126,7 +126,8 @@ def _live_scenario(tmp_path_factory, name, *, kill=1, during_save=False):
     tmp = str(tmp_path_factory.mktemp(f"live-{name}"))
     ref = reference(os.path.join(tmp, "ref"), config, COMMON + extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra, host_store=kill == 0, node_timeout=NODE_TIMEOUT)
+    run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra, host_store=kill == 0, node_timeout=NODE_TIMEOUT,
+                     check=check)
     out: dict = {"pids": []}
     try:
         _start_at_world(run, 4)
@@ -184,7 +185,7 @@ def _agent_of(ppid: int) -> int:
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    yield _live_scenario(tmp_path_factory, "tp2-fsdp")
+    yield _live_scenario(tmp_path_factory, "tp2-fsdp", check=True)  # the first launcher checks, a joining one not
 
 
 def test_a_node_killed_and_one_joining_leave_the_survivors_running_and_the_loss_of_an_uninterrupted_run(tp2):
@@ -213,6 +214,11 @@ def test_each_live_change_is_told_in_one_line_each(tp2):
                        r"the surviving ranks; (no step redone|1 step redone \(step \d+ of the previous start\))\n", log)
     assert len(lines) == 2, log
     assert "resumed from" not in log, log  # no checkpoint was read
+    # the check before launch: the first launcher ran it; B found the store answering (A's) and did not run it again
+    assert "megashard run: collectives: OK: " in log, log
+    for node in run.nodes[1:]:
+        assert "megashard run: collectives: not checked again: this node joins a running job\n" in node.log(), node.log()
+        assert "collectives: OK" not in node.log(), node.log()
 
 
 @pytest.mark.parametrize("name", ["pp2", "hsdp", "moe"])

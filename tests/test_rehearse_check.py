@@ -222,3 +222,35 @@ def test_broadcast_objects_reach_every_rank(tmp_path):
     assert result.ok, result.text()
     assert [[c.sig for c in t.calls if c.op == "all_reduce" and c.group != "world"] for t in traces.values()] == \
         [["float32[24]"]] * 4
+
+
+def test_a_launcher_joining_a_running_elastic_job_does_not_check_again():
+    """The first launcher of an elastic c10d job checks the collectives, then its torchrun hosts the rendezvous store;
+    a launcher that finds that store answering joins a running job and skips the check (its ~10 s would delay the
+    join). Nothing answering, a static or non-elastic job: the check runs."""
+    import socket
+
+    from megashard.launch.preflight import joins_running_job as _joins_running_job
+    from megashard.train.sections import LaunchConfig
+
+    with socket.socket() as srv:
+        srv.bind(("localhost", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        assert _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_endpoint=f"localhost:{port}"))
+        assert not _joins_running_job(LaunchConfig(nnodes="2", rdzv_endpoint=f"localhost:{port}"))  # not elastic
+        assert not _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_backend="static", node_rank=1,
+                                                   rdzv_endpoint=f"localhost:{port}"))
+    assert not _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_endpoint=f"localhost:{port}"))  # closed now
+    assert not _joins_running_job(LaunchConfig(nnodes="1:2", rdzv_endpoint=None))
+
+
+def test_a_bad_megashard_check_setting_is_one_line_before_anything_is_read(tmp_path):
+    env = {**os.environ, "MEGASHARD_CHECK": "maybe"}
+    p = subprocess.run([sys.executable, "-m", "megashard", "run", "configs/default.yaml",
+                        f"train.out_dir={tmp_path}/run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == ("megashard run: error: MEGASHARD_CHECK='maybe' is not a setting: auto (the default: check a "
+                        "cheap job before launch) or off (as --no-check)\n"), p.stderr
+    assert not os.path.exists(tmp_path / "run")

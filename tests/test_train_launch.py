@@ -40,16 +40,19 @@ def _megashard() -> list[str]:
     return [script] if os.path.isfile(script) else [sys.executable, "-m", "megashard"]
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
+def _run(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
+    """``megashard run configs/default.yaml ARGS``; ``check``: with the check before launch, as a user runs it (the
+    suite turns it off elsewhere: tests/conftest.py)."""
+    env = {**os.environ, "MEGASHARD_CHECK": "auto"} if check else None
     return subprocess.run(_megashard() + ["run", "configs/default.yaml"] + args, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
 def launches():
     tmp = tempfile.mkdtemp(prefix="megashard-run-")
     try:
-        plain = _run(COMMON + [f"train.out_dir={tmp}/plain"])
+        plain = _run(COMMON + [f"train.out_dir={tmp}/plain"], check=True)
         fault = _run(COMMON + [f"train.out_dir={tmp}/fault", "train.fail_at_step=4", "train.fail_rank=1"])
         yield tmp, plain, fault
     finally:
@@ -67,6 +70,8 @@ def test_readme_command_trains_and_writes_outputs(launches):
     assert plain.returncode == 0, _explain(plain)
     err = plain.stderr
     assert "4 processes (1 node(s) × 4), tp=2, dp_shard=2" in err
+    # the check before launch, on by default for a job this cheap: every rank's collectives matched, once
+    assert err.count("megashard run: collectives: OK: 4 ranks, ") == 1, err
     assert f"step {STEPS}/{STEPS} [" in err and "tok/s" in err and "left" in err  # rank 0's progress bar
     assert err.count(f"megashard run: default: step {STEPS}, loss") == 1  # the summary, once (rank 0 only)
     records = read_metrics(os.path.join(tmp, "plain", "metrics.jsonl"))

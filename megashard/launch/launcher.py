@@ -328,20 +328,6 @@ def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
         proc.wait()
 
 
-def _check_collectives(job: JobConfig, world_size: int, dry_run: bool, collectives: Optional[bool]) -> bool:
-    """The check before launch (:mod:`megashard.rehearse.before_launch`): with ``collectives`` True always, None
-    (the default) when it is cheap and this is no dry run, False never. True when it found a problem."""
-    from megashard.rehearse.before_launch import check_job, is_cheap
-
-    if collectives is False or (collectives is None and (dry_run or not is_cheap(job, world_size))):
-        return False
-    code = check_job(job, world_size, stream=sys.stderr)
-    if code and not dry_run:
-        print("megashard run: nothing was started: fix the calls above (or launch anyway with --no-check)",
-              file=sys.stderr)
-    return code != 0
-
-
 def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False,
         collectives: Optional[bool] = None) -> int:
     """Validate and launch; returns the exit code (0 ok or nothing to do, 1 the job failed, 2 a bad config raised as
@@ -352,9 +338,11 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False,
 
     from megashard.train.startpoint import RUN_ID_ENV, find_start, move_aside, new_run_id
 
+    from megashard.launch.preflight import check_collectives, check_job_here, check_mode, check_outputs
+
+    check_mode()  # a bad MEGASHARD_CHECK is one line before anything is read or printed
     plan = plan_launch(config, overrides)
     job, s = plan.job, plan.sizes
-    from megashard.launch.preflight import check_job_here, check_outputs
 
     check_outputs(job, config)  # where the job writes: megashard's own directories, away from its inputs (no torch)
     if not dry_run:
@@ -379,7 +367,7 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False,
     print(header, file=sys.stderr)
     for note in plan.notes + ([start.finished] if start.finished else []):
         print(f"megashard run: {note}", file=sys.stderr)
-    if _check_collectives(job, s.world_size, dry_run, collectives):
+    if check_collectives(job, s.world_size, dry_run, collectives):
         return 2 if not dry_run else 1
     if dry_run:
         print(shlex.join(plan.command))

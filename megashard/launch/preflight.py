@@ -8,18 +8,23 @@ instead of training until its first checkpoint (and failing again after every re
   be creatable (its nearest existing ancestor a writable directory);
 - ``parallel.device`` / ``parallel.backend``: cuda and nccl need a usable CUDA device (one per process of
   this node) and an NCCL build (:func:`megashard.state.check_devices`);
-- synthetic token data (held by every process) must fit in half of this machine's memory.
+- synthetic token data (held by every process) must fit in half of this machine's memory;
+- the collectives of every rank (:func:`check_collectives`, :mod:`megashard.rehearse.before_launch`): by default
+  when the job is cheap to rehearse, not by a launcher joining a running elastic job (the first launcher checked it),
+  nor with ``MEGASHARD_CHECK=off``.
 """
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Iterable, Optional
 
 from megashard.errors import ConfigError
 from megashard.train.config import JobConfig
+from megashard.train.sections import LaunchConfig
 
-__all__ = ["check_data_memory", "check_job_here", "check_outputs", "check_output_dir", "job_inputs", "physical_memory"]
+__all__ = ["CHECK_ENV", "check_collectives", "check_mode", "joins_running_job", "check_data_memory", "check_job_here", "check_outputs", "check_output_dir", "job_inputs", "physical_memory"]
 
 
 def check_output_dir(path: str, field: str, kind: str = "run", reads: Iterable[str] = ()) -> None:
@@ -176,3 +181,52 @@ def check_job_here(job: JobConfig, config: Optional[str] = None, outputs: bool =
     from megashard.state import check_devices  # imports torch: only here, where the job is launched
 
     check_devices(job.parallel, processes_per_node=job.launch.nproc_per_node, prefix="parallel.")
+
+
+def joins_running_job(la: LaunchConfig) -> bool:
+    """Whether an elastic c10d job's rendezvous store already answers: a launcher of the job hosts it, and that
+    launcher ran the check before launch before it started torchrun. Unsure (no port, unreachable): False."""
+    import socket
+
+    host, _, port = (la.rdzv_endpoint or "").rpartition(":")
+    if not (la.elastic and la.rdzv_backend == "c10d" and host and port.isdigit()):
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+CHECK_ENV = "MEGASHARD_CHECK"
+"""``MEGASHARD_CHECK=off``: every ``megashard run`` without ``--collectives`` launches as with ``--no-check`` (a site
+whose CI already checks its configs, a test suite that launches many jobs); ``auto`` or unset: the default."""
+
+
+def check_mode() -> str:
+    """``MEGASHARD_CHECK`` read and checked: ``auto`` or ``off``."""
+    mode = os.environ.get(CHECK_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "off"):
+        raise ConfigError(f"{CHECK_ENV}={os.environ[CHECK_ENV]!r} is not a setting: auto (the default: check a cheap "
+                          "job before launch) or off (as --no-check)")
+    return mode
+
+
+def check_collectives(job: JobConfig, world_size: int, dry_run: bool, collectives: Optional[bool]) -> bool:
+    """The check before launch (:mod:`megashard.rehearse.before_launch`): with ``collectives`` True always, None
+    (the default) when it is cheap, this is no dry run and ``MEGASHARD_CHECK`` is not ``off``, False never. True when
+    it found a problem."""
+    from megashard.rehearse.before_launch import check_job, is_cheap
+
+    if collectives is None and check_mode() == "off":
+        return False
+    if collectives is False or (collectives is None and (dry_run or not is_cheap(job, world_size))):
+        return False
+    if collectives is None and joins_running_job(job.launch):  # its first launcher checked this config already
+        print("megashard run: collectives: not checked again: this node joins a running job", file=sys.stderr)
+        return False
+    code = check_job(job, world_size, stream=sys.stderr)
+    if code and not dry_run:
+        print("megashard run: nothing was started: fix the calls above (or launch anyway with --no-check)",
+              file=sys.stderr)
+    return code != 0
