@@ -222,3 +222,25 @@ def test_broadcast_objects_reach_every_rank(tmp_path):
     assert result.ok, result.text()
     assert [[c.sig for c in t.calls if c.op == "all_reduce" and c.group != "world"] for t in traces.values()] == \
         [["float32[24]"]] * 4
+
+
+def test_a_sent_tensor_lives_as_long_as_its_work():
+    """A rehearsed send's Work holds the tensor it sends until the Work itself is dropped (not at ``wait()``), as gloo's
+    ``SendWork`` does: the pipeline schedules wait on their sends late, and a trace counts what gloo keeps alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    from megashard.rehearse.works import SentWork
+
+    t = torch.ones(8)
+    alive = weakref.ref(t)
+    work = SentWork(t)
+    del t
+    assert work.wait() and work.is_completed()
+    gc.collect()
+    assert alive() is not None
+    del work
+    gc.collect()
+    assert alive() is None
