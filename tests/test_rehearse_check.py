@@ -254,3 +254,25 @@ def test_a_bad_megashard_check_setting_is_one_line_before_anything_is_read(tmp_p
     assert p.stderr == ("megashard run: error: MEGASHARD_CHECK='maybe' is not a setting: auto (the default: check a "
                         "cheap job before launch) or off (as --no-check)\n"), p.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_sent_tensor_lives_as_long_as_its_work():
+    """A rehearsed send's Work holds the tensor it sends until the Work itself is dropped (not at ``wait()``), as gloo's
+    ``SendWork`` does: the pipeline schedules wait on their sends late, and a trace counts what gloo keeps alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    from megashard.rehearse.works import SentWork
+
+    t = torch.ones(8)
+    alive = weakref.ref(t)
+    work = SentWork(t)
+    del t
+    assert work.wait() and work.is_completed()
+    gc.collect()
+    assert alive() is not None
+    del work
+    gc.collect()
+    assert alive() is None

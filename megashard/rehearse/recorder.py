@@ -135,7 +135,7 @@ def call_site(depth: int = 2) -> str:
     return "?"
 
 
-from megashard.rehearse.works import DeferredRecv as _DeferredRecv, DoneWork as _DoneWork  # noqa: E402
+from megashard.rehearse.works import DeferredRecv as _DeferredRecv, SentWork as _SentWork  # noqa: E402
 
 
 def _sig(t: Any) -> str:
@@ -350,7 +350,7 @@ class Recorder:
         out = spec.fn(*args, **kwargs)
         if send:
             self._post(tensor, peer)
-            return out
+            return _SentWork(tensor, out) if name == "isend" else out  # holds its tensor, as gloo's Work does
         k = self._next(self._recvd, peer)
         if name == "irecv":
             return _DeferredRecv(self, tensor, peer, k)
@@ -373,7 +373,7 @@ class Recorder:
         spec.fn(*args, **kwargs)
         for op in ops:
             if "send" in getattr(op.op, "__name__", ""):
-                works.append(_DoneWork())
+                works.append(_SentWork(op.tensor))  # holds the sent tensor while the caller holds the Work
             else:
                 works.append(_DeferredRecv(self, op.tensor, int(op.peer), self._next(self._recvd, int(op.peer))))
         return works
