@@ -63,8 +63,10 @@ def _run_path(tmp: str, path: str, config: str, common: list, kills: list, args)
         run.node("B")
         run.wait_for(lambda m: run.world().get("world_size") == 4, "world 4", metrics=False)
         run.go_on()
+        joined_at = 0  # a kill comes at its planned step, and at least 5 steps after the world of 4 formed again
         for i, step in enumerate(kills):
-            run.wait_for(lambda m: top(m, world=4) >= step or not run.nodes[-1].alive(), f"step {step} at world 4")
+            due = max(step, joined_at + 5)
+            run.wait_for(lambda m: top(m, world=4) >= due or not run.nodes[-1].alive(), f"step {due} at world 4")
             if top(run.metrics()) >= args.steps:
                 break
             killed_at.append(top(run.metrics(), world=4))
@@ -73,6 +75,9 @@ def _run_path(tmp: str, path: str, config: str, common: list, kills: list, args)
             run.wait_for(lambda m: run.world().get("world_size") == 2 and run.world().get("time", 0) > t_kill,
                          "world 2", metrics=False)
             t_launches.append(run.node(f"B{i + 2}").started)  # a new node joins at once: world 2 trains meanwhile
+            run.wait_for(lambda m: run.world().get("world_size") == 4 or top(m) >= args.steps, "world 4 again",
+                         metrics=True)
+            joined_at = run.world().get("start_step", 0) if run.world().get("world_size") == 4 else args.steps
         codes = [n.wait(run.timeout) for n in (a, run.nodes[-1])]
     finally:
         run.stop_all()
@@ -181,7 +186,13 @@ def main(argv=None) -> int:
         want = read_metrics(os.path.join(tmp, "ref", "metrics.jsonl"))
         for path in args.paths.split(","):
             res = _run_path(tmp, path, config, common, kills, args)
-            diffs = loss_differences(want, res.pop("metrics"))
+            got = res.pop("metrics")
+            if [r["step"] for r in got] != [r["step"] for r in want]:
+                args.keep = True
+                print(f"{path}: the run's metrics end at step {max((r['step'] for r in got), default=0)} of "
+                      f"{args.steps} (exit codes {res['codes']}); its files are kept in {tmp}", file=sys.stderr)
+                return 1
+            diffs = loss_differences(want, got)
             res["max_loss_rel_diff"] = max(diffs.values())
             res["ratio"] = res["seconds"] / t_ref
             results[path] = res
