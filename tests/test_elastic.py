@@ -39,9 +39,10 @@ def _scenario(tmp_path_factory, name, during_save=False, kill=1):
     tmp = str(tmp_path_factory.mktemp(f"elastic-{name}"))
     ref = reference(os.path.join(tmp, "ref"), config, COMMON + extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    # the test process hosts the rendezvous store, so that A and B start together and meet in the first round (with A
-    # hosting it, B starts only once A's store answers, and a loaded machine let A's round close without B)
-    run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra, host_store=True)
+    # A hosts the rendezvous store (its ranks are 0 and 1: torch gives rank 0 to the store's host) unless A is the node
+    # killed; B starts once the store answers. rdzv_last_call 10 s: the first round waits that long for B, whose
+    # start-up (launcher, torchrun's agent) a loaded machine stretched past 4 s, so that A's round closed without B
+    run = ElasticRun(os.path.join(tmp, "el"), config, COMMON + extra, host_store=kill == 0, last_call=10)
     try:
         out = kill_and_rejoin(run, kill_after=5, steps_at_2=3, during_save=during_save, kill=kill)
     finally:
