@@ -336,9 +336,8 @@ def run(config: str, overrides: Sequence[str] = (), *, dry_run: bool = False,
     restart cannot fix; 130 after Ctrl-C)."""
     import time
 
-    from megashard.train.startpoint import RUN_ID_ENV, find_start, move_aside, new_run_id
-
     from megashard.launch.preflight import check_collectives, check_job_here, check_mode, check_outputs
+    from megashard.train.startpoint import RUN_ID_ENV, find_start, move_aside, new_run_id
 
     check_mode()  # a bad MEGASHARD_CHECK is one line before anything is read or printed
     plan = plan_launch(config, overrides)

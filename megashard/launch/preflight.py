@@ -24,7 +24,8 @@ from megashard.errors import ConfigError
 from megashard.train.config import JobConfig
 from megashard.train.sections import LaunchConfig
 
-__all__ = ["CHECK_ENV", "check_collectives", "check_mode", "joins_running_job", "check_data_memory", "check_job_here", "check_outputs", "check_output_dir", "job_inputs", "physical_memory"]
+__all__ = ["CHECK_ENV", "check_collectives", "check_mode", "joins_running_job", "check_data_memory", "check_job_here",
+           "check_outputs", "check_output_dir", "job_inputs", "physical_memory"]
 
 
 def check_output_dir(path: str, field: str, kind: str = "run", reads: Iterable[str] = ()) -> None:
