@@ -275,3 +275,22 @@ def test_host_memory_is_linear_in_vocab_times_branching():
     assert h.peak == RUNTIME["cuda"] + 4096 * 65 * 4 + h.parts["data set-up"]  # int32 rows past 32,768 ids
     cpu = estimate_host(JobShape(synthetic_sequences=4096), "cpu", 6 << 20)  # vocab 1024: int16 rows
     assert cpu.parts["tensors"] == 6 << 20 and cpu.peak == RUNTIME["cpu"] + 4096 * 65 * 2 + (6 << 20)
+
+
+def test_a_second_certify_traces_only_the_new_first_and_adds_to_the_time():
+    """After ``--calibrate`` re-ranks the layouts, the measured #1 is traced if it was not: certify skips the layouts
+    traced already (they count among its ``top``), notes nothing twice and adds its time to the same budget."""
+    from megashard.advisor.trace import certify
+    from megashard.config import yamlfile
+
+    job, r = _suggest(4, 4 << 30)
+    doc = yamlfile.load_yaml(DEFAULT)
+    certify(r, doc, job.name, 2)
+    assert [c.traced is not None for c in r.ranked[:3]] == [True, True, False]
+    first, second, third = r.ranked[:3]
+    seconds, notes, kept = r.trace_seconds, list(r.trace_notes), (first.traced, second.traced)
+    r.ranked[:3] = [third, first, second]  # as a calibration that measured the third fastest would order them
+    certify(r, doc, job.name, 1)
+    assert third.traced is not None and third.traced.peak > 0
+    assert (first.traced, second.traced) == kept and first.traced is kept[0]  # not traced again
+    assert r.traced_count == 3 and r.trace_seconds > seconds and r.trace_notes == notes

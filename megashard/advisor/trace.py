@@ -201,7 +201,9 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
     moved to ``too_big`` when that exceeds the device memory — the traced figure decides "fits" — and the next
     layout is traced in its place. Layouts whose modelled peak exceeds ``limit`` bytes or :func:`trace_budget` are
     not traced (noted: the trace allocates them on this machine's CPU, and takes a CPU step's time).
-    Sets ``result.traced_count``, ``result.trace_seconds`` and ``result.trace_notes``."""
+    Layouts traced already count among the ``top`` and are not traced again (a second call after ``--calibrate``
+    re-ranked them traces the new #1). Sets ``result.traced_count``, adds to ``result.trace_seconds`` (the time budget
+    is the whole ``--suggest``'s) and ``result.trace_notes``."""
     from megashard.config import yamlfile
     from megashard.train.config import JobConfig
 
@@ -210,15 +212,24 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
 
     budget = min(limit, trace_budget())
     rate = measure_cpu_flops()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - result.trace_seconds  # an earlier call's time counts against the same budget
     done: list[Any] = []
     i = 0
+
+    def note(text: str) -> None:
+        if text not in result.trace_notes:  # a second call meets the same layouts
+            result.trace_notes.append(text)
+
     while len(done) < top and i < len(result.ranked):
         c = result.ranked[i]
         m = c.memory
+        if c.traced is not None:
+            done.append(c)
+            i += 1
+            continue
         if m.peak > budget:
-            result.trace_notes.append(f"{c.label()}: not traced (modelled {m.peak / 2**30:.2f} GiB: more than "
-                                      f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
+            note(f"{c.label()}: not traced (modelled {m.peak / 2**30:.2f} GiB: more than {budget / 2**30:.2f} GiB, the "
+                 "most a trace allocates here; --trace-limit)")
             i += 1
             continue
         job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)
@@ -226,16 +237,14 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
         # per traced pipeline rank
         cost = trace_seconds(JobShape.from_job(job), result.world_size, rate) * max(c.sizes["pp"], 1)
         if cost > TRACE_SECONDS:
-            result.trace_notes.append(f"{c.label()}: not traced (its ranks' steps are about {cost:,.0f} s of this CPU's "
-                                      f"time, more than the {TRACE_SECONDS:g} s a trace may take; the modelled figure "
-                                      "decides)")
+            note(f"{c.label()}: not traced (its ranks' steps are about {cost:,.0f} s of this CPU's time, more than the "
+                 f"{TRACE_SECONDS:g} s a trace may take; the modelled figure decides)")
             i += 1
             continue
         spent = time.perf_counter() - t0
         if spent + cost > TRACE_TOTAL_SECONDS:
-            result.trace_notes.append(f"{c.label()}: not traced (the traces took {spent:.0f} s and this one would take "
-                                      f"about {cost:.0f} s more; one --suggest spends at most {TRACE_TOTAL_SECONDS:g} s on "
-                                      "them: the modelled figure decides)")
+            note(f"{c.label()}: not traced (the traces took {spent:.0f} s and this one would take about {cost:.0f} s "
+                 f"more; one --suggest spends at most {TRACE_TOTAL_SECONDS:g} s on them: the modelled figure decides)")
             i += 1
             continue
         pp = c.sizes["pp"]

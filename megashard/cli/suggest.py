@@ -217,6 +217,12 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         drop_refused(result, job, args.top, log=lambda line: print(f"megashard plan: {line}", file=sys.stderr))
     if args.calibrate is not None or args.calibration is not None:
         _calibrate(args, doc, job, result, source, timings_read)
+        if args.trace and not args.no_trace and result.ranked and result.ranked[0].traced is None:
+            from megashard.advisor.trace import certify  # the measured #1 gets a traced figure too
+
+            certify(result, doc, job.name, 1, log=lambda line: print(f"megashard plan: {line}", file=sys.stderr,
+                                                                      flush=True),
+                    limit=parse_bytes(args.trace_limit, "--trace-limit"))
     if args.format == "json":
         import json
 
