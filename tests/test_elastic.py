@@ -170,7 +170,12 @@ def test_the_doctors_records_belong_to_the_world_that_wrote_them(tp2, capsys):
     assert re.match(rf"{re.escape(run.out)} \({kept[0].label}\): records of [24] of 4 ranks; 0 hung operation\(s\); "
                     "ended in a world change\nno hang recorded", tables[0]), text
     lost = re.search(r"the world ended in a world change, not a hang: rank\(s\) ([0-9, ]+) lost", tables[0])
-    assert lost and set(map(int, lost.group(1).split(", "))) <= {2, 3}, text  # B's ranks, named by A's
+    assert lost, text
+    # B's ranks, named by A's. On the restart path A's own workers end too (torchrun restarts them): one that ended
+    # before the peer waiting for it (its own peer-loss exit, e.g. inside a checkpoint save) is named with them, as a
+    # process that ended, never as a hang
+    for r in set(map(int, lost.group(1).split(", "))) - {2, 3}:
+        assert re.search(rf"\n  rank {r}: its process ", tables[0]), text
     assert tables[1].startswith(f"{run.out} ({kept[1].label}): records of "), text
     assert "0 hung operation(s)" in tables[1].splitlines()[0] and "no hang recorded" in tables[1], text
     if "no record from" in tables[1]:  # a rank stopped before its SIGTERM record (blocked in a call)
