@@ -13,15 +13,44 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MEGASHARD_CHECK", "off")
 
 
+LONG_ENV = "MEGASHARD_LONG_TESTS"
+"""``1``: run the long end-to-end tests too (as ``--long``); CI does, after the README's command."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the long end-to-end tests (marked `long`: several launchers, held-out sweeps); "
+                          f"CI runs them after the README's command (or set {LONG_ENV}=1)")
+
+
+def _long(config) -> bool:
+    return bool(config.getoption("--long")) or os.environ.get(LONG_ENV, "") not in ("", "0")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "gpu: needs a usable CUDA device (tests/gpu); skipped with a one-line reason where there is none",
     )
+    config.addinivalue_line(
+        "markers",
+        "long: a long end-to-end test (several launchers, a sweep of held-out jobs, a whole job per case): run with "
+        "--long (CI does); the README's command runs every other test",
+    )
+
+
+_DESELECTED_LONG: list = []
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped, each with the one-line reason, on a machine without a usable CUDA device."""
+    """Tests marked ``long`` are left out unless ``--long`` (named at the end of the run, with how to run them);
+    tests marked ``gpu`` are skipped, each with the one-line reason, on a machine without a usable CUDA device."""
+    if not _long(config):
+        long_ones = [item for item in items if item.get_closest_marker("long") is not None]
+        if long_ones:
+            items[:] = [item for item in items if item.get_closest_marker("long") is None]
+            config.hook.pytest_deselected(items=long_ones)
+            _DESELECTED_LONG.extend(long_ones)
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not marked:
         return
@@ -32,6 +61,14 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"needs CUDA: {reason}")
         for item in marked:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DESELECTED_LONG:
+        files = len({item.nodeid.split("::")[0] for item in _DESELECTED_LONG})
+        terminalreporter.write_line(
+            f"megashard: {len(_DESELECTED_LONG)} long end-to-end tests (in {files} files) were not run: "
+            f"`pytest tests --long` runs them too (CI does)")
 
 
 @pytest.fixture(autouse=True)

@@ -140,6 +140,7 @@ def _predict(name: str):
 MODEL_KNOWN: set[str] = set()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="known model miss"))
                                   if n in MODEL_KNOWN else n for n in ALL_JOBS])
 def test_predicted_peak_is_never_3_percent_under_nor_5_over(measured, name):
@@ -300,6 +301,7 @@ def traced():
     return out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", list(ALL_JOBS))
 def test_traced_peak_equals_the_measured_one(measured, traced, name):
     t, real = traced[name], measured[name]

@@ -13,6 +13,10 @@ import sysconfig
 
 import pytest
 
+# a long end-to-end file: `pytest tests --long` (CI) runs it, the README's command does not
+pytestmark = pytest.mark.long
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

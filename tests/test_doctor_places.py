@@ -34,6 +34,7 @@ def _cli(run_dir: str, capsys) -> tuple[int, list[str]]:
     return code, [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
 
 
+@pytest.mark.long
 def test_a_rank_stopped_after_a_call_returned_is_in_its_own_code_not_inside_it(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     lines, err = _torchrun("stopped", 2, run_dir)
@@ -56,6 +57,7 @@ def test_a_rank_that_exits_after_a_call_returned_ended_in_its_own_code(tmp_path)
                              "crash or a kill) in its own code since all_reduce #3 on world returned (step 2))"), lines
 
 
+@pytest.mark.long
 def test_a_dtensor_waiter_on_a_meshs_tp_axis_is_diagnosed(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     lines, err = _torchrun("dtensor_tp", 4, run_dir)

@@ -103,6 +103,7 @@ def straggler_run(tmp_path_factory):
     return results, run_dir
 
 
+@pytest.mark.long
 def test_slow_rank_is_named_within_20_steps(straggler_run, capsys):
     from megashard.cli import main
 
@@ -117,6 +118,7 @@ def test_slow_rank_is_named_within_20_steps(straggler_run, capsys):
     assert "rank 3 in" in rows["tp [2, 3]"] and "rank 3 in" in rows["dp [1, 3]"], out
 
 
+@pytest.mark.long
 def test_no_slow_rank_names_none_over_200_steps(straggler_run, capsys):
     from megashard.cli import main
 

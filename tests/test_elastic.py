@@ -23,6 +23,10 @@ import pytest
 
 from tests._elastic import ElasticRun, kill_and_rejoin, loss_differences, param_difference, reference
 
+# a long end-to-end file: `pytest tests --long` (CI) runs it, the README's command does not
+pytestmark = pytest.mark.long
+
+
 STEPS = 15
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval=3", "checkpoint.keep=0", "train.dtype=float64",
           "train.plot=false", "train.micro_batch_size=4", "train.doctor=false", "launch.recovery=restart"]

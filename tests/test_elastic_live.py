@@ -221,6 +221,7 @@ def test_each_live_change_is_told_in_one_line_each(tp2):
         assert "collectives: OK" not in node.log(), node.log()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", ["pp2", "hsdp", "moe"])
 def test_the_same_with_a_pipeline_hsdp_replicas_and_experts(tmp_path_factory, name):
     """pp2: the node of rank 0 is killed (the test process hosts the rendezvous store): rank 0's duties move to the
@@ -244,6 +245,7 @@ def test_the_same_with_a_pipeline_hsdp_replicas_and_experts(tmp_path_factory, na
         assert len(out["saving_at_kill"]) == 1, out
 
 
+@pytest.mark.long
 def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
     """B leaves and a new node joins at once (within the survivors' re-formation); then, with three nodes, two are
     killed half a second apart (the second while the world re-forms without the first): the survivor ends alone,
@@ -292,6 +294,7 @@ def test_a_flapping_node_and_a_double_fault(tmp_path_factory):
     assert "Traceback" not in log and "frame #" not in log, log
 
 
+@pytest.mark.long
 def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
     """megashard.live.LiveLoop around a loop of the user's own (tests/_live_loop_script.py: FSDP2 over dp, AdamW),
     two launchers of megashard's agent with MEGASHARD_RECOVERY=live: one killed, one joining; the losses and the final
@@ -447,6 +450,7 @@ def test_ctrl_c_on_an_elastic_launcher_says_the_job_goes_on_without_this_node(tm
     assert stopped_line(fixed, 50.0) == "stopped at step 7; no checkpoint was saved: rerun the same command to start again"
 
 
+@pytest.mark.long
 def test_the_rendezvous_host_lost_ends_the_job_in_a_few_lines(tmp_path):
     """Node A hosts the rendezvous store (launch.rdzv_endpoint). When it is killed, the survivor either re-forms
     before the store goes down (it then trains on, and its launcher fails at the end, where torchrun's agents meet in

@@ -26,6 +26,7 @@ DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
 
 
 # ---------------------------------------------------------------------------------------------- data order (no dist)
+@pytest.mark.long
 @pytest.mark.parametrize("block", [7, 64, 4096])
 def test_split_cache_equals_definition(block):
     from megashard.data.samples import Split

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megashard.launch.startwatch import describe, innermost_frame
 from tests._helpers import sigint_as_in_a_terminal
 
@@ -56,6 +58,7 @@ def _lines_until(proc: subprocess.Popen, marker: str, deadline_s: float) -> tupl
     raise AssertionError(f"no line with {marker!r} within {deadline_s} s:\n" + "\n".join(lines[-30:]))
 
 
+@pytest.mark.long
 def test_a_rank_stuck_importing_is_named_by_the_launcher(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -79,6 +82,7 @@ def test_a_rank_stuck_importing_is_named_by_the_launcher(tmp_path):
     assert "megashard run: rank 0: init_process_group failed: " in err, err[-3000:]
 
 
+@pytest.mark.long
 def test_a_node_that_never_starts_is_named_by_the_launcher(tmp_path):
     with socket.socket() as s:
         s.bind(("", 0))

@@ -37,6 +37,7 @@ def launches():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.long
 def test_a_killed_pipeline_job_resumes_and_matches_the_uninterrupted_run(launches):
     from megashard.train.checkpointing import read_full_model
     from megashard.train.metrics import read_metrics

@@ -115,6 +115,7 @@ def dist4():
     return spawn_checks(CHECKS, world_size=4, timeout=900, pg_timeout=300)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
 def test_compiled_job_equals_eager(dist4, name):
     dist4.assert_ok(name)
@@ -125,6 +126,7 @@ def inductor1():
     return spawn_checks([check_inductor], world_size=1, timeout=900, pg_timeout=600)
 
 
+@pytest.mark.long
 def test_inductor_compiled_job_equals_eager(inductor1):
     """The real backend (generated C++ kernels) on one process: float32 losses within 1e-5 relative."""
     inductor1.assert_ok("check_inductor")
