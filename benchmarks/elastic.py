@@ -20,7 +20,8 @@ Per change: ``s to a step`` is, for a node killed, the time from the kill to the
 node joining, the time the running world did not train (``seconds_down`` of its ``world_change`` record); ``state from``
 whether the new world read a checkpoint (``state_from``); ``s launch→join``, for a node joining, the time from its
 ``megashard run`` to the first step of the world it is in (its own start-up, while the running world trains). Kill
-points lie in the run's first 5/6, so that the last newcomer has time to join; a kill waits for world 4, and the run
+points lie between 1/30 and 2/3 of the run, so that the last newcomer has time to join (each newcomer's start-up,
+~20 s on 2 cores, is ~70 steps of this job); a kill waits for world 4, and the run
 fails if a planned kill or join did not happen within the steps. Summary per path: the median of ``s to a step``, the
 steps redone, the checkpoint reads, and the whole run against the uninterrupted one.
 
@@ -171,10 +172,11 @@ def main(argv=None) -> int:
     config = "configs/default.yaml"
     common = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", "checkpoint.keep=0",
               f"train.dtype={args.dtype}", "train.plot=false", "train.micro_batch_size=4", "parallel.dp_shard=auto"]
-    # kill points: random steps spread over the run's first 5/6 — the last sixth leaves the last newcomer time to
-    # start and join (its start-up, ~10-20 s on 2 cores, runs beside the training world); a kill waits for world 4
-    span = (args.steps * 5 // 6 - args.steps // 6) // args.kills
-    kills = [args.steps // 6 + i * span + rng.randrange(0, max(1, span // 3)) for i in range(args.kills)]
+    # kill points: random steps spread over 1/30 to 2/3 of the run — the last third leaves the last newcomer time to
+    # start and join (its start-up, ~20 s on 2 cores, ~70 steps, runs beside the training world); a kill waits for
+    # world 4 and comes at least 5 steps after it formed, so the kills after the first usually come later than planned
+    span = (args.steps * 2 // 3 - args.steps // 30) // args.kills
+    kills = [args.steps // 30 + i * span + rng.randrange(0, max(1, span // 3)) for i in range(args.kills)]
     results = {}
     try:
         t0 = time.perf_counter()

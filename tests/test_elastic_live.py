@@ -431,6 +431,50 @@ def test_a_survivor_without_a_decision_in_time_fails_over_in_one_line(monkeypatc
     del server
 
 
+def test_the_leader_waits_for_a_node_that_answered_the_abort_and_not_for_one_that_is_gone(monkeypatch):
+    """The survivors' leader (rank 0 of nodes a, a, b, b, c, c) decides on a real store, no processes: node b's
+    watcher answered the abort (``here``) but its ranks register only 1.5 s later — three grace periods of silence —
+    and are members; node c neither answered nor registered (its processes are gone) and is left out."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megashard.train.live_world import LiveWorld
+    from tests._elastic import free_port
+
+    port = free_port()
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"t{port}")
+    monkeypatch.setenv("MEGASHARD_LIVE_GRACE_S", "0.5")
+    world = LiveWorld(f"localhost:{port}", f"t{port}", "gloo", timeout=30.0)
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    for r in (0, 1):
+        world.root.set(f"r0/alive/{r}", "1")
+    world.root.set("r0/here/2", "1")  # b's watcher saw the abort; its main thread is still leaving the collective
+
+    def b_registers_late() -> None:
+        time.sleep(1.5)
+        for r in (2, 3):
+            world.root.set(f"r0/alive/{r}", "1")
+            world.root.add("r0/count", 1)
+
+    late = threading.Thread(target=b_registers_late)
+    late.start()
+    t0 = time.monotonic()
+    decision = world._decide("r0", nodes, world.root.add("r0/count", 2))
+    waited = time.monotonic() - t0
+    late.join()
+    assert decision == {"members": [0, 1, 2, 3], "prefix": "r0.1"}, decision
+    assert waited >= 1.5, waited  # b was waited for, though silent for longer than the grace period
+    # no node answered but a: the leader closes the world after the grace period, without b and c
+    for r in (0, 1):
+        world.root.set(f"r1/alive/{r}", "1")
+    decision = world._decide("r1", nodes, world.root.add("r1/count", 2))
+    assert decision["members"] == [0, 1], decision
+    del server
+
+
 def test_ctrl_c_on_an_elastic_launcher_says_the_job_goes_on_without_this_node(tmp_path):
     """Issue 40: the advice after a Ctrl-C is true for an elastic job (the other nodes train on; rerunning joins
     them), and unchanged for a job of fixed size."""

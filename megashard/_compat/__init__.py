@@ -60,6 +60,7 @@ from megashard._compat.dtensor_gather import (
     probe_verdict,
 )
 from megashard._compat.elastic import (
+    RENDEZVOUS_NODE_ENV,
     RENDEZVOUS_ROUND_ENV,
     abort_process_groups,
     capture_rendezvous_handlers,
@@ -68,6 +69,7 @@ from megashard._compat.elastic import (
     export_rendezvous_round,
     rendezvous_agent,
     rendezvous_dropped,
+    rendezvous_forget_lost,
     rendezvous_joined,
     set_group_world_size,
 )
@@ -84,7 +86,8 @@ from megashard._compat.pipelining import pipeline_stage_class, pipelines_infer_s
 from megashard._compat.version import TORCH_VERSION
 
 __all__ = [
-    "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "RENDEZVOUS_ROUND_ENV", "TORCH_VERSION",
+    "FUNCTIONAL_COLLECTIVES", "GLOO_CUDA_DTENSOR_GATHER_CRASHES", "RENDEZVOUS_NODE_ENV", "RENDEZVOUS_ROUND_ENV",
+    "TORCH_VERSION",
     "abort_process_groups", "adam_init_group", "autograd_checkpoint_valid", "backend_options", "capture_rendezvous_handlers",
     "dcp_default_stager_reusable", "dcp_empty_state_dict_load_planner_class", "dcp_flatten_state_dict",
     "dcp_load_state_dict", "dcp_metadata_enum_member", "dcp_metadata_global_allowed", "dcp_narrow_tensor_by_index",
@@ -94,7 +97,8 @@ __all__ = [
     "install_numpy_free_object_collectives", "pipelines_infer_shapes_on_fake", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
-    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped", "rendezvous_joined", "set_group_world_size", "strided_shard_class",
+    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped", "rendezvous_forget_lost",
+    "rendezvous_joined", "set_group_world_size", "strided_shard_class",
     "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
 ]
 

@@ -157,6 +157,46 @@ def rendezvous_joined(handler) -> list[str] | None:
 RENDEZVOUS_ROUND_ENV = "MEGASHARD_RDZV_ROUND"
 
 
+#: ``addr:pid`` of this agent in torch's dynamic rendezvous (its private ``_this_node``), exported with the round.
+RENDEZVOUS_NODE_ENV = "MEGASHARD_RDZV_NODE"
+
+
+def rendezvous_forget_lost(handler, round_: int, survivors: set) -> list[str]:  # noqa: ANN001
+    """Live recovery: the surviving workers of round ``round_`` agreed which nodes are gone; free their places in
+    torch's dynamic rendezvous at once instead of after ``launch.rdzv_node_timeout`` of missing heartbeats. While a
+    lost node is still a participant, the round counts as complete and a node that comes to join waits on the wait
+    list. Every participant of that round whose ``addr:pid`` is not in ``survivors`` gets a last heartbeat of long
+    ago, written with torch's compare-and-set (private ``_state_holder``, ``_heartbeat_lock``); the next sync of any
+    node drops it as torch drops a node whose heartbeats stopped. Nothing is written unless this node is among the
+    survivors and the shared state is still at ``round_``. Returns the nodes marked (empty where nothing was done)."""
+    from datetime import datetime, timezone
+
+    holder, me = getattr(handler, "_state_holder", None), getattr(handler, "_this_node", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    if holder is None or me is None or lock is None or f"{me.addr}:{me.pid}" not in survivors:
+        return []
+    long_ago = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    for _ in range(5):  # another node wrote meanwhile: read again and retry
+        with lock:
+            try:
+                holder.sync()
+                state = holder.state
+                if state.round != round_ or not state.complete:
+                    return []
+                lost = [n for n in state.participants if f"{n.addr}:{n.pid}" not in survivors]
+                lost = [n for n in lost if state.last_heartbeats.get(n, long_ago) > long_ago]
+                if not lost:
+                    return []
+                for n in lost:
+                    state.last_heartbeats[n] = long_ago
+                holder.mark_dirty()
+                if holder.sync():
+                    return [f"{n.addr}:{n.pid}" for n in lost]
+            except Exception:  # noqa: BLE001 - another shape or the store unreachable: torch's own timeout stands
+                return []
+    return []
+
+
 def export_rendezvous_round(env_name: str) -> bool:
     """After each rendezvous torchrun's launcher completes in this process, set ``os.environ[env_name]`` to the round
     it completed (a dynamic rendezvous — c10d, etcd — numbers its rounds in state shared by every node: the ranks of
@@ -178,6 +218,9 @@ def export_rendezvous_round(env_name: str) -> bool:
                 os.environ[env_name] = str(number)
             else:
                 os.environ.pop(env_name, None)
+            me = getattr(handler, "_this_node", None)  # this agent in the rendezvous: its workers name it (live)
+            if me is not None and hasattr(me, "addr") and hasattr(me, "pid"):
+                os.environ[RENDEZVOUS_NODE_ENV] = f"{me.addr}:{me.pid}"
             return info
 
         next_rendezvous._megashard_round = True  # type: ignore[attr-defined]

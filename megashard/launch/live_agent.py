@@ -35,6 +35,7 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
         elastic_agent_live_hooks,
         rendezvous_agent,
         rendezvous_dropped,
+        rendezvous_forget_lost,
         set_group_world_size,
     )
     from megashard.train.live_world import LIVE_DIR_ENV, LIVE_STORE_ENV, ROUND_FILE
@@ -79,6 +80,8 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
             return
         if str(rec.get("round")) == os.environ.get(RENDEZVOUS_ROUND_ENV, "0"):
             set_group_world_size(worker_group, int(rec["nodes"]))
+            if rec.get("agents"):  # the survivors' agents: a lost node's place is free for a newcomer at once
+                rendezvous_forget_lost(worker_group.spec.rdzv_handler, int(rec["round"]), set(rec["agents"]))
 
     if not elastic_agent_live_hooks(on_join, on_monitor):
         say("torchrun: this torch's elastic agent has another shape: live recovery is off (workers restart instead)")

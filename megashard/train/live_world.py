@@ -20,7 +20,9 @@ groups accepted: :mod:`megashard._compat.gloo_abort`), so that a collective bloc
 fails at once instead of waiting ``parallel.timeout``; every survivor then registers. The first to register is the
 leader: it waits until every rank registered or, for each node, either all its ranks or none did and nobody
 registered for :data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
-order. The members form the next world; a worker left out (its node was too slow to answer) exits with
+order. A worker's watcher answers the abort key at once (``here/<rank>``), before its main thread has left the broken
+collective: a node that answered is alive and is waited for (at most ten grace periods), and only a node none of whose
+ranks answered or registered counts as gone after the grace period. The members form the next world; a worker left out (its node was too slow to answer) exits with
 :data:`~megashard.launch.agent.EXIT_PEER_LOST` and its launcher brings it back through the rendezvous, as a join.
 
 **A join** goes through torch's rendezvous: megashard's agent sees the waiting node, completes the next round
@@ -53,9 +55,11 @@ LIVE_STORE_ENV = "MEGASHARD_LIVE_STORE"
 LIVE_DIR_ENV = "MEGASHARD_LIVE_DIR"
 """The agent's directory where it hands its workers a new rendezvous round (:data:`ROUND_FILE`)."""
 ROUND_FILE = "round.json"
-GRACE_S = 1.0
+GRACE_S = 0.5
 """Seconds without a new survivor registering after which the leader closes the new world (env
-``MEGASHARD_LIVE_GRACE_S``). A node none of whose ranks registered by then counts as gone."""
+``MEGASHARD_LIVE_GRACE_S``). A node none of whose ranks registered nor answered the abort (its watcher's ``here`` key,
+set within a poll of the abort) by then counts as gone; a node that answered is waited for, at most ten grace periods
+(at least 10 s)."""
 _POLL_S = 0.05
 
 
@@ -132,6 +136,7 @@ class LiveWorld:
         self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         self.nodes: list[str] = []
+        self.agents: list[str] = []
         self.agent_dir = os.environ.get(LIVE_DIR_ENV) or None
         self._seen_round_mtime = 0.0
         self._watch: Optional[threading.Thread] = None
@@ -181,9 +186,12 @@ class LiveWorld:
                                 world_size=world_size, timeout=timedelta(seconds=self.timeout))
         debug(f"forming world {self.prefix} as rank {rank} of {world_size}")
         self.rank, self.world_size = rank, world_size
+        from megashard._compat import RENDEZVOUS_NODE_ENV
+
         every: list[Any] = [None] * world_size
-        dist.all_gather_object(every, node_id())
-        self.nodes = every
+        dist.all_gather_object(every, (node_id(), os.environ.get(RENDEZVOUS_NODE_ENV, "")))
+        self.nodes = [n for n, _ in every]
+        self.agents = [a for _, a in every]  # each rank's agent in torch's rendezvous (tell_agent)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
         self._start_watch()
 
@@ -192,6 +200,7 @@ class LiveWorld:
 
         self._stop, self._leaving = threading.Event(), threading.Event()
         key, stop, leaving, client = f"{self.prefix}/abort", self._stop, self._leaving, self._client()
+        here = f"{self.prefix}/here/{self.rank}"
         before, timeout, rank = self._listening, self.timeout, self.rank
 
         def watch() -> None:  # a survivor blocked in a collective with another survivor that already left
@@ -199,6 +208,10 @@ class LiveWorld:
                 try:
                     if client.check([key]):
                         debug(f"watcher: {key} set: aborting")
+                        try:
+                            client.set(here, "1")  # this process lives: the survivors' leader waits for it (_decide)
+                        except Exception:  # noqa: BLE001 - the store's host is gone: abort all the same
+                            pass
                         abort_groups(before)
                         break
                 except Exception:  # noqa: BLE001 - the store's host is gone: the main thread finds out
@@ -307,18 +320,23 @@ class LiveWorld:
         by_node: dict[str, list[int]] = {}
         for r, node in enumerate(nodes):
             by_node.setdefault(node, []).append(r)
-        deadline = time.monotonic() + self.timeout
-        last, last_change, alive = count, time.monotonic(), set()
+        start = time.monotonic()
+        deadline, answered_by = start + self.timeout, start + _arrival_s(self.timeout)
+        last, last_change, alive, here = count, start, set(), set()
         while True:
             now = root.add(f"{prefix}/count", 0)
             if now != last or not alive:
                 alive = {r for r in range(n) if root.check([f"{prefix}/alive/{r}"])}
                 if now != last:
                     last, last_change = now, time.monotonic()
-            whole = all(set(rs) <= alive or not set(rs) & alive for rs in by_node.values())
-            if len(alive) == n or (whole and time.monotonic() - last_change >= _grace()):
+            here = alive | {r for r in range(n) if r not in alive and root.check([f"{prefix}/here/{r}"])}
+            t = time.monotonic()
+            # a node is settled when all its ranks registered, or none did nor answered the abort (its process gone);
+            # one that answered (alive, leaving the broken collective) is waited for, at most ten grace periods
+            settled = all(set(rs) <= alive or (not set(rs) & here) or t > answered_by for rs in by_node.values())
+            if len(alive) == n or (settled and t - last_change >= _grace()):
                 break
-            if time.monotonic() > deadline:
+            if t > deadline:
                 break
             time.sleep(_POLL_S)
         members = sorted(r for rs in by_node.values() if set(rs) <= alive for r in rs)
@@ -382,12 +400,14 @@ class LiveWorld:
         self._form(info.rank, info.world_size, arrival_s=self.timeout)
 
     def tell_agent(self) -> None:
-        """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them)."""
+        """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them) and which agents
+        (torch's rendezvous lets go of the others at once: :func:`megashard._compat.rendezvous_forget_lost`)."""
         if self.agent_dir and os.environ.get("LOCAL_RANK", "0") == "0":
             path = os.path.join(self.agent_dir, "nodes.json")
             tmp = f"{path}.{os.getpid()}.tmp"
+            agents = sorted(set(self.agents)) if self.agents and all(self.agents) else []
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"nodes": len(set(self.nodes)), "round": self.round}, f)
+                json.dump({"nodes": len(set(self.nodes)), "round": self.round, "agents": agents}, f)
             os.replace(tmp, path)
 
     def store_alive(self) -> bool:
