@@ -97,8 +97,8 @@ __all__ = [
     "install_numpy_free_object_collectives", "pipelines_infer_shapes_on_fake", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
     "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
-    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped", "rendezvous_forget_lost",
-    "rendezvous_joined", "set_group_world_size", "strided_shard_class",
+    "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped",
+    "rendezvous_forget_lost", "rendezvous_joined", "set_group_world_size", "strided_shard_class",
     "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",
 ]
 

@@ -17,12 +17,12 @@ rendezvous already needs alive), under a key prefix per world: ``r<round>`` for 
 rendezvous: the first to see it sets the world's *abort* key; a thread of every worker watches it and aborts its
 process groups (``ProcessGroup.abort``, and on gloo, where that does nothing, a shutdown of the connections its
 groups accepted: :mod:`megashard._compat.gloo_abort`), so that a collective blocked on a survivor that already left
-fails at once instead of waiting ``parallel.timeout``; every survivor then registers. The first to register is the
-leader: it waits until every rank registered or, for each node, either all its ranks or none did and nobody
-registered for :data:`GRACE_S` seconds, then writes the decision: the surviving ranks (whole nodes only), renumbered in their old
-order. A worker's watcher answers the abort key at once (``here/<rank>``), before its main thread has left the broken
-collective: a node that answered is alive and is waited for (at most ten grace periods), and only a node none of whose
-ranks answered or registered counts as gone after the grace period. The members form the next world; a worker left out (its node was too slow to answer) exits with
+fails at once instead of waiting ``parallel.timeout``; every survivor then registers. A worker's watcher also
+answers the abort key at once (``here/<rank>``), before its main thread has left the broken collective. The first to
+register is the leader: it waits until every rank registered or, for each node, either all its ranks did or none did
+nor answered within :data:`GRACE_S` seconds (its processes are gone; a node that answered is waited for, at most ten
+grace periods), then writes the decision: the surviving ranks (whole nodes only), renumbered in their old order. The
+members form the next world; a worker left out (its node was too slow to answer) exits with
 :data:`~megashard.launch.agent.EXIT_PEER_LOST` and its launcher brings it back through the rendezvous, as a join.
 
 **A join** goes through torch's rendezvous: megashard's agent sees the waiting node, completes the next round
@@ -56,10 +56,10 @@ LIVE_DIR_ENV = "MEGASHARD_LIVE_DIR"
 """The agent's directory where it hands its workers a new rendezvous round (:data:`ROUND_FILE`)."""
 ROUND_FILE = "round.json"
 GRACE_S = 0.5
-"""Seconds without a new survivor registering after which the leader closes the new world (env
-``MEGASHARD_LIVE_GRACE_S``). A node none of whose ranks registered nor answered the abort (its watcher's ``here`` key,
-set within a poll of the abort) by then counts as gone; a node that answered is waited for, at most ten grace periods
-(at least 10 s)."""
+"""Seconds from the leader's first look after which a node none of whose ranks registered nor answered the abort (its
+watcher's ``here`` key, set within a poll of the abort) counts as gone (env ``MEGASHARD_LIVE_GRACE_S``); the leader
+closes the new world once every other node's ranks all registered. A node that answered is waited for, at most ten
+grace periods (at least 10 s)."""
 _POLL_S = 0.05
 
 
@@ -322,19 +322,20 @@ class LiveWorld:
             by_node.setdefault(node, []).append(r)
         start = time.monotonic()
         deadline, answered_by = start + self.timeout, start + _arrival_s(self.timeout)
-        last, last_change, alive, here = count, start, set(), set()
+        last, alive, here = count, set(), set()
         while True:
             now = root.add(f"{prefix}/count", 0)
             if now != last or not alive:
                 alive = {r for r in range(n) if root.check([f"{prefix}/alive/{r}"])}
-                if now != last:
-                    last, last_change = now, time.monotonic()
+                last = now
             here = alive | {r for r in range(n) if r not in alive and root.check([f"{prefix}/here/{r}"])}
             t = time.monotonic()
-            # a node is settled when all its ranks registered, or none did nor answered the abort (its process gone);
-            # one that answered (alive, leaving the broken collective) is waited for, at most ten grace periods
-            settled = all(set(rs) <= alive or (not set(rs) & here) or t > answered_by for rs in by_node.values())
-            if len(alive) == n or (settled and t - last_change >= _grace()):
+            # a node is settled when all its ranks registered, or none did nor answered the abort within the grace
+            # period (its processes are gone); one that answered (alive, leaving the broken collective) is waited
+            # for, at most ten grace periods
+            settled = all(set(rs) <= alive or (not set(rs) & here and t - start >= _grace()) or t > answered_by
+                          for rs in by_node.values())
+            if len(alive) == n or settled:
                 break
             if t > deadline:
                 break

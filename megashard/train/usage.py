@@ -123,6 +123,9 @@ def model_flops_per_token(params: dict[str, tuple[int, float, bool]], job: "JobC
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+_MEASURED_CPU: dict = {}  # (train.dtype, threads) -> TFLOP/s measured by this process
+
+
 def device_peak(job: "JobConfig", device: torch.device) -> PeakFlops:
     """The peak TFLOP/s of one device for ``train.dtype`` (see the module docstring); measures on CPU."""
     t = job.train
@@ -131,7 +134,11 @@ def device_peak(job: "JobConfig", device: torch.device) -> PeakFlops:
     if device.type == "cuda":
         return gpu_peak(torch.cuda.get_device_name(device), t.dtype)
     if device.type == "cpu":
-        tflops = measure_matmul_tflops(_DTYPES[t.dtype])
+        # measured once per process: a world re-formed in place (live recovery) must not spend 0.2 s on it again
+        key = (t.dtype, torch.get_num_threads())
+        if key not in _MEASURED_CPU:
+            _MEASURED_CPU[key] = measure_matmul_tflops(_DTYPES[t.dtype])
+        tflops = _MEASURED_CPU[key]
         return PeakFlops(tflops, f"CPU, {t.dtype} matmul measured at the start ({torch.get_num_threads()} "
                                  "thread(s) per process)")
     return PeakFlops(None, f"{device.type}: no peak known (set train.peak_tflops)")
