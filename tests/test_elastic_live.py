@@ -433,8 +433,9 @@ def test_a_survivor_without_a_decision_in_time_fails_over_in_one_line(monkeypatc
 
 def test_the_leader_waits_for_a_node_that_answered_the_abort_and_not_for_one_that_is_gone(monkeypatch):
     """The survivors' leader (rank 0 of nodes a, a, b, b, c, c) decides on a real store, no processes: node b's
-    watcher answered the abort (``here``) but its ranks register only 1.5 s later — three grace periods of silence —
-    and are members; node c neither answered nor registered (its processes are gone) and is left out."""
+    watcher answered the abort (``here``) but its ranks register only 1.5 s later — three grace periods — and are
+    members; node c neither answered nor registered (its processes are gone): left out, and named gone (its agent's
+    place in torch's rendezvous is freed; a live node left out is not named)."""
     import threading
     from datetime import timedelta
 
@@ -465,13 +466,13 @@ def test_the_leader_waits_for_a_node_that_answered_the_abort_and_not_for_one_tha
     decision = world._decide("r0", nodes, world.root.add("r0/count", 2))
     waited = time.monotonic() - t0
     late.join()
-    assert decision == {"members": [0, 1, 2, 3], "prefix": "r0.1"}, decision
+    assert decision == {"members": [0, 1, 2, 3], "prefix": "r0.1", "gone": ["c"]}, decision
     assert waited >= 1.5, waited  # b was waited for, though silent for longer than the grace period
     # no node answered but a: the leader closes the world after the grace period, without b and c
     for r in (0, 1):
         world.root.set(f"r1/alive/{r}", "1")
     decision = world._decide("r1", nodes, world.root.add("r1/count", 2))
-    assert decision["members"] == [0, 1], decision
+    assert decision["members"] == [0, 1] and decision["gone"] == ["b", "c"], decision
     del server
 
 

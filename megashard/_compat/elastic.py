@@ -161,19 +161,19 @@ RENDEZVOUS_ROUND_ENV = "MEGASHARD_RDZV_ROUND"
 RENDEZVOUS_NODE_ENV = "MEGASHARD_RDZV_NODE"
 
 
-def rendezvous_forget_lost(handler, round_: int, survivors: set) -> list[str]:  # noqa: ANN001
-    """Live recovery: the surviving workers of round ``round_`` agreed which nodes are gone; free their places in
-    torch's dynamic rendezvous at once instead of after ``launch.rdzv_node_timeout`` of missing heartbeats. While a
-    lost node is still a participant, the round counts as complete and a node that comes to join waits on the wait
-    list. Every participant of that round whose ``addr:pid`` is not in ``survivors`` gets a last heartbeat of long
-    ago, written with torch's compare-and-set (private ``_state_holder``, ``_heartbeat_lock``); the next sync of any
-    node drops it as torch drops a node whose heartbeats stopped. Nothing is written unless this node is among the
-    survivors and the shared state is still at ``round_``. Returns the nodes marked (empty where nothing was done)."""
+def rendezvous_forget_lost(handler, round_: int, gone: set) -> list[str]:  # noqa: ANN001
+    """Live recovery: the surviving workers of round ``round_`` found the nodes of agents ``gone`` (``addr:pid``) gone
+    — none of their workers answered; free their places in torch's dynamic rendezvous at once instead of after
+    ``launch.rdzv_node_timeout`` of missing heartbeats. While a lost node is still a participant, the round counts as
+    complete and a node that comes to join waits on the wait list. Each such participant gets a last heartbeat of
+    long ago, written with torch's compare-and-set (private ``_state_holder``, ``_heartbeat_lock``); the next sync of
+    any node drops it as torch drops a node whose heartbeats stopped. Nothing is written where this node is among
+    ``gone`` or the shared state is no longer at ``round_``. Returns the nodes marked (empty where nothing was done)."""
     from datetime import datetime, timezone
 
     holder, me = getattr(handler, "_state_holder", None), getattr(handler, "_this_node", None)
     lock = getattr(handler, "_heartbeat_lock", None)
-    if holder is None or me is None or lock is None or f"{me.addr}:{me.pid}" not in survivors:
+    if holder is None or me is None or lock is None or f"{me.addr}:{me.pid}" in gone:
         return []
     long_ago = datetime(1970, 1, 1, tzinfo=timezone.utc)
     for _ in range(5):  # another node wrote meanwhile: read again and retry
@@ -183,8 +183,8 @@ def rendezvous_forget_lost(handler, round_: int, survivors: set) -> list[str]:  
                 state = holder.state
                 if state.round != round_ or not state.complete:
                     return []
-                lost = [n for n in state.participants if f"{n.addr}:{n.pid}" not in survivors]
-                lost = [n for n in lost if state.last_heartbeats.get(n, long_ago) > long_ago]
+                lost = [n for n in state.participants if f"{n.addr}:{n.pid}" in gone
+                        and state.last_heartbeats.get(n, long_ago) > long_ago]
                 if not lost:
                     return []
                 for n in lost:

@@ -80,8 +80,8 @@ def enable(endpoint: Optional[str], say: Callable[[str], None]) -> Optional[str]
             return
         if str(rec.get("round")) == os.environ.get(RENDEZVOUS_ROUND_ENV, "0"):
             set_group_world_size(worker_group, int(rec["nodes"]))
-            if rec.get("agents"):  # the survivors' agents: a lost node's place is free for a newcomer at once
-                rendezvous_forget_lost(worker_group.spec.rdzv_handler, int(rec["round"]), set(rec["agents"]))
+            if rec.get("gone"):  # the agents of the nodes found gone: their places are free for newcomers at once
+                rendezvous_forget_lost(worker_group.spec.rdzv_handler, int(rec["round"]), set(rec["gone"]))
 
     if not elastic_agent_live_hooks(on_join, on_monitor):
         say("torchrun: this torch's elastic agent has another shape: live recovery is off (workers restart instead)")

@@ -136,7 +136,8 @@ class LiveWorld:
         self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         self.nodes: list[str] = []
-        self.agents: list[str] = []
+        self.agent_of: dict[str, str] = {}  # node id -> its agent in torch's rendezvous (``addr:pid``)
+        self.gone_agents: set[str] = set()  # agents of the nodes the survivors found gone (tell_agent)
         self.agent_dir = os.environ.get(LIVE_DIR_ENV) or None
         self._seen_round_mtime = 0.0
         self._watch: Optional[threading.Thread] = None
@@ -191,7 +192,7 @@ class LiveWorld:
         every: list[Any] = [None] * world_size
         dist.all_gather_object(every, (node_id(), os.environ.get(RENDEZVOUS_NODE_ENV, "")))
         self.nodes = [n for n, _ in every]
-        self.agents = [a for _, a in every]  # each rank's agent in torch's rendezvous (tell_agent)
+        self.agent_of = {n: a for n, a in every}
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
         self._start_watch()
 
@@ -280,6 +281,8 @@ class LiveWorld:
             decision = self._agree(prefix, rank, nodes)
             members = decision["members"]
             debug(f"decision after loss in {prefix}: {decision}")
+            # nodes none of whose workers answered: their processes are gone (not a live node left out)
+            self.gone_agents |= {self.agent_of.get(node, "") for node in decision.get("gone", ())} - {""}
             if rank not in members:
                 raise LeftOut(f"the survivors re-formed the world without rank {rank} (its node answered too late)")
             self.prefix = decision["prefix"]
@@ -341,7 +344,8 @@ class LiveWorld:
                 break
             time.sleep(_POLL_S)
         members = sorted(r for rs in by_node.values() if set(rs) <= alive for r in rs)
-        return {"members": members, "prefix": f"{prefix}.{self.changes + 1}"}
+        gone = sorted(node for node, rs in by_node.items() if not set(rs) & here)
+        return {"members": members, "prefix": f"{prefix}.{self.changes + 1}", "gone": gone}
 
     # ------------------------------------------------------------------------------------------- a join
     def _pending(self) -> Optional[RoundInfo]:
@@ -396,19 +400,21 @@ class LiveWorld:
         """Leave this world (healthy: destroyed, not aborted) and form the round's."""
         self.leave(abort=False)
         self.round, self.prefix = info.round, f"r{info.round}"
+        self.gone_agents = set()  # a new rendezvous round: the lost nodes are no participants of it
         os.environ["MEGASHARD_RDZV_ROUND"] = str(info.round)
         self.changes += 1
         self._form(info.rank, info.world_size, arrival_s=self.timeout)
 
     def tell_agent(self) -> None:
-        """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them) and which agents
-        (torch's rendezvous lets go of the others at once: :func:`megashard._compat.rendezvous_forget_lost`)."""
+        """Local rank 0: how many nodes the world has now (the agent's exit barrier counts them) and the agents of
+        the nodes found gone (torch's rendezvous lets go of them at once:
+        :func:`megashard._compat.rendezvous_forget_lost`; a live node left out is not among them: it rejoins through
+        the rendezvous)."""
         if self.agent_dir and os.environ.get("LOCAL_RANK", "0") == "0":
             path = os.path.join(self.agent_dir, "nodes.json")
             tmp = f"{path}.{os.getpid()}.tmp"
-            agents = sorted(set(self.agents)) if self.agents and all(self.agents) else []
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"nodes": len(set(self.nodes)), "round": self.round, "agents": agents}, f)
+                json.dump({"nodes": len(set(self.nodes)), "round": self.round, "gone": sorted(self.gone_agents)}, f)
             os.replace(tmp, path)
 
     def store_alive(self) -> bool:
