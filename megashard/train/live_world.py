@@ -325,7 +325,7 @@ class LiveWorld:
             by_node.setdefault(node, []).append(r)
         start = time.monotonic()
         deadline, answered_by = start + self.timeout, start + _arrival_s(self.timeout)
-        last, alive, here = count, set(), set()
+        last, alive = count, set()
         while True:
             now = root.add(f"{prefix}/count", 0)
             if now != last or not alive:

@@ -24,6 +24,7 @@ available it is ``ru_maxrss`` − the start RSS (an overestimate when an earlier
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -123,9 +124,6 @@ def model_flops_per_token(params: dict[str, tuple[int, float, bool]], job: "JobC
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-_MEASURED_CPU: dict = {}  # (train.dtype, threads) -> TFLOP/s measured by this process
-
-
 def device_peak(job: "JobConfig", device: torch.device) -> PeakFlops:
     """The peak TFLOP/s of one device for ``train.dtype`` (see the module docstring); measures on CPU."""
     t = job.train
@@ -134,11 +132,7 @@ def device_peak(job: "JobConfig", device: torch.device) -> PeakFlops:
     if device.type == "cuda":
         return gpu_peak(torch.cuda.get_device_name(device), t.dtype)
     if device.type == "cpu":
-        # measured once per process: a world re-formed in place (live recovery) must not spend 0.2 s on it again
-        key = (t.dtype, torch.get_num_threads())
-        if key not in _MEASURED_CPU:
-            _MEASURED_CPU[key] = measure_matmul_tflops(_DTYPES[t.dtype])
-        tflops = _MEASURED_CPU[key]
+        tflops = _cpu_matmul_tflops(t.dtype, torch.get_num_threads())
         return PeakFlops(tflops, f"CPU, {t.dtype} matmul measured at the start ({torch.get_num_threads()} "
                                  "thread(s) per process)")
     return PeakFlops(None, f"{device.type}: no peak known (set train.peak_tflops)")
@@ -154,6 +148,13 @@ def gpu_peak(name: str, dtype: str) -> PeakFlops:
                 return PeakFlops(fp32, f"{name}, fp32 peak without TF32 (table)")
             return PeakFlops(None, f"{name}: no {dtype} peak in the table (set train.peak_tflops)")
     return PeakFlops(None, f"{name}: not in megashard's table (set train.peak_tflops)")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_matmul_tflops(dtype: str, threads: int) -> float:
+    """:func:`measure_matmul_tflops` once per process, dtype and thread count: a world re-formed in place (live
+    recovery) does not spend its 0.2 s again."""
+    return measure_matmul_tflops(_DTYPES[dtype])
 
 
 def measure_matmul_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.2) -> float:
