@@ -14,8 +14,9 @@ __all__ = ["EXIT_PEER_LOST", "hostname", "is_peer_loss", "pid_alive", "process_s
 
 
 def pid_alive(pid: int, start_time: Optional[float] = None) -> bool:
-    """Whether process ``pid`` exists on this host (and, when ``start_time`` is given and the OS tells, is
-    the same process: a recycled pid has another start time)."""
+    """Whether process ``pid`` lives on this host (and, when ``start_time`` is given and the OS tells, is the
+    same process: a recycled pid has another start time). A zombie — a process that ended and that no parent has
+    reaped yet, e.g. a SIGKILLed worker whose launcher died with it — is gone: it holds nothing and never runs again."""
     if pid <= 0:
         return False
     try:
@@ -26,11 +27,25 @@ def pid_alive(pid: int, start_time: Optional[float] = None) -> bool:
         pass
     except OSError:
         return False
+    fields = _stat_fields(pid)
+    if fields and fields[0] in ("Z", "X"):  # zombie or dead: signal 0 still reaches it
+        return False
     if start_time is not None:
         now = process_start_time(pid)
         if now is not None and abs(now - start_time) > 1e-6:
             return False
     return True
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of Linux ``/proc/<pid>/stat`` after ``pid (comm)`` (field 3 on: the state first), or [] elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return []
+    # The command name (field 2) may contain spaces and parentheses: fields after the last ')' are plain.
+    return stat[stat.rfind(")") + 2:].split()
 
 
 def process_start_time(pid: int) -> Optional[float]:
@@ -39,14 +54,7 @@ def process_start_time(pid: int) -> Optional[float]:
     Only compared for equality: it tells a live process from a later one that got the same pid.
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: fields after the last ')' are plain.
-    rest = stat[stat.rfind(")") + 2:].split()
-    try:
-        return float(rest[19])  # field 22 overall = index 19 after "pid (comm)"
+        return float(_stat_fields(pid)[19])  # field 22 overall = index 19 after "pid (comm)"
     except (IndexError, ValueError):
         return None
 

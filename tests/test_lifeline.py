@@ -89,3 +89,25 @@ def test_pid_alive_tells_a_reused_pid_by_its_start_time():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert not pid_alive(p.pid) and not pid_alive(0) and not pid_alive(-1)
+
+
+def test_a_zombie_is_not_alive():
+    """A process that ended and is not reaped yet (a SIGKILLed rank whose parent died with it, before init reaps
+    it) answers signal 0, but holds nothing: a lock it held is stale (the CI failure of test_checkpoint_async.py)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"/proc/{p.pid}/stat") or _state(p.pid) != "Z":
+        if time.monotonic() > deadline or not os.path.exists("/proc/self/stat"):
+            p.wait()
+            pytest.skip("no /proc here, or the child never became a zombie")
+        time.sleep(0.05)
+    try:
+        os.kill(p.pid, 0)  # a zombie still answers signal 0 ...
+        assert not pid_alive(p.pid) and not pid_alive(p.pid, process_start_time(p.pid))  # ... but is gone
+    finally:
+        p.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
