@@ -165,14 +165,18 @@ def memory_part(names: list[str], trace: bool = True) -> list[dict]:
                               job.model.distribute_saved_activations)
         ranks = [p[name] for p in per_rank]
         real = max(ranks)
-        traced = None
+        traced, exact, why = None, False, None
         if trace:
             from megashard.advisor.trace import trace_memory
 
-            peaks = [p.peak for p in trace_memory(job, WORLD) if p.peak is not None]
-            traced = max(peaks) if peaks else None
+            every = trace_memory(job, WORLD)
+            peaks = [p for p in every if p.peak is not None]
+            traced = max(p.peak for p in peaks) if peaks else None
+            exact = any(p.exact for p in peaks)
+            why = next((p.error for p in every if p.error), None)
         rows.append({"layout": name, "predicted": est.peak, "traced": traced, "measured": real,
                      "error": est.peak / real - 1, "traced_error": traced / real - 1 if traced else None,
+                     "traced_exact": exact, "trace_error": why,
                      "phase": est.phase, "pp_rank": est.rank, "ranks": ranks})
     trace_s = time.perf_counter() - t1
     print(f"\n## memory: modelled, traced and measured peak per rank (largest rank; 4 gloo ranks measured in "
@@ -180,10 +184,14 @@ def memory_part(names: list[str], trace: bool = True) -> list[dict]:
     print("| job | modelled MiB | traced MiB | measured MiB | modelled error | traced error | modelled peak at |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        tr = f"{r['traced'] / 2**20:.3f}" if r["traced"] else "-"
+        tr = (f"{r['traced'] / 2**20:.3f}" + (" (every rank, values)" if r["traced_exact"] else "")) if r["traced"] \
+            else "-"
         te = f"{r['traced_error']:+.1%}" if r["traced_error"] is not None else "-"
         print(f"| {r['layout']} | {r['predicted'] / 2**20:.3f} | {tr} | {r['measured'] / 2**20:.3f} | "
               f"{r['error']:+.1%} | {te} | pp rank {r['pp_rank']}, {r['phase']} |")
+    for r in rows:
+        if r["trace_error"]:
+            print(f"trace of {r['layout']} failed: {r['trace_error']}")
     errs = [r["error"] for r in rows]
     inside = sum(-0.03 <= e <= 0.05 for e in errs)
     print(f"\nmodelled: {inside} of {len(rows)} within the goal (-3% .. +5%); errors {min(errs):+.1%} .. {max(errs):+.1%}")

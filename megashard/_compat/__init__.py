@@ -11,7 +11,8 @@ releases; the rest of the package imports these names from this package only (``
 * ``dtensor``: DTensor (``_StridedShard``, local shapes and offsets, a local shard without autograd);
 * ``dtensor_gather``: which releases crash gathering a DTensor on gloo with CUDA tensors, and the probe;
 * ``dcp``: torch.distributed.checkpoint (offline loading, nested dicts, the metadata allow-list, the stager);
-* ``dispatch``: ``TorchDispatchMode`` and pytree (the advisor's live-memory count);
+* ``dispatch``: ``TorchDispatchMode`` and pytree (the advisor's live-memory count; no modes for a rehearsal's
+  transfers);
 * ``pipelining``: the pipeline stage; ``autograd``: the checkpoint guard and Adam's ``_init_group``;
   ``elastic``: torchrun's agent and its rendezvous; ``funcol``: the functional collectives (what the hang doctor
   wraps to see DTensor's).
@@ -22,7 +23,7 @@ pay for them): ``_StridedShard`` is looked up on first use.
 from __future__ import annotations
 
 from megashard._compat.autograd import adam_init_group, autograd_checkpoint_valid
-from megashard._compat.dispatch import dispatch_api
+from megashard._compat.dispatch import dispatch_api, no_dispatch_modes
 from megashard._compat.c10d import (
     backend_options,
     default_store,
@@ -96,7 +97,8 @@ __all__ = [
     "functional_collectives", "functional_group", "functional_group_name", "group_timeout", "hook_functional_outputs",
     "install_numpy_free_object_collectives", "pipelines_infer_shapes_on_fake", "process_group_by_name",
     "live_process_group_count", "live_process_groups", "members_only_name_salt", "members_only_options",
-    "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "options_with_timeout", "pipeline_stage_class",
+    "mesh_flatten", "mesh_flattened_names", "mesh_release_groups", "no_dispatch_modes", "options_with_timeout",
+    "pipeline_stage_class",
     "probe_gloo_cuda_dtensor_gather", "probe_verdict", "rendezvous_agent", "rendezvous_dropped",
     "rendezvous_forget_lost", "rendezvous_joined", "set_group_world_size", "strided_shard_class",
     "torch_compute_local_shape_and_global_offset", "torch_local_shape_and_offset_at", "wrap_backend_creator",

@@ -35,10 +35,12 @@ def memory_lines(c: Candidate, unit: tuple[str, int] = ("GiB", GIB)) -> list[str
            + (f"; largest MoE shard {m.largest_moe_shard / size:.2f} {name}" if m.largest_moe_shard else "")]
     if c.traced is not None:
         t = c.traced
-        out.append(f"memory per rank, traced: {t.peak / size:.2f} {name} (rank {t.rank}, pp rank {t.pp_rank}: one step "
-                   f"on the fake backend, live tensor bytes; {t.peak / m.peak - 1:+.1%} against the model) — "
-                   + ("partial: experts over ep ranks receive no peer's tokens here, so the modelled figure decides"
-                      if t.partial else "the figure that decides whether it fits"))
+        how = ("one step of every rank on the fake backend, collectives carrying values" if t.exact else
+               "one step on the fake backend")
+        out.append(f"memory per rank, traced: {t.peak / size:.2f} {name} (rank {t.rank}, pp rank {t.pp_rank}: {how}, "
+                   f"live tensor bytes; {t.peak / m.peak - 1:+.1%} against the model) — "
+                   + ("partial: this rank, traced alone, receives no peer's tokens for its experts, so the modelled "
+                      "figure decides" if t.partial else "the figure that decides whether it fits"))
     elif c.trace_error:
         out.append(f"memory per rank, traced: failed ({c.trace_error}); the modelled figure decides")
     if c.host is not None:

@@ -9,10 +9,13 @@ The fast model (:mod:`megashard.advisor.memory`) ranks hundreds of layouts; the 
 ``benchmarks/advisor.py`` measure a real gloo run: a warm-up step, then the peak of the second step (the steady
 state, the optimizer's state present), plus the synthetic data the job holds (``num_sequences · (seq + 1)`` tokens;
 the rehearsal makes a smaller set of its own); on a CPU job, each reduce-scatter also holds a copy of its input
-while it runs, as gloo does. Where the two differ: with experts over ep > 1 ranks the fake backend delivers no
-peer's tokens, so the pairs a rank's experts receive are missing (``TracedPeak.partial``: the modelled figure, with
-its routing-imbalance bound, decides there), and a GPU job is traced with the CPU kernels (what CUDA kernels save can
-differ; docs/advisor.md).
+while it runs, as gloo does. With experts over ep > 1 ranks values decide memory (the tokens a rank's experts receive
+follow every peer's routing): there every rank of the world is rehearsed together, its collectives carrying the
+values the real backend gives (:mod:`megashard.rehearse.exact`), and the largest rank's peak is the traced one —
+while the world has at most ``EXACT_MAX_RANKS`` (8) ranks and their steps fit :data:`TRACE_SECONDS` and
+:func:`trace_budget`. A larger one is traced one rank alone, without its peers' tokens (``TracedPeak.partial``: the
+modelled figure, with its routing-imbalance bound, decides). A GPU job is traced with the CPU kernels (what CUDA
+kernels save can differ; docs/advisor.md).
 
 The rehearsal allocates what the rank allocates and computes what it computes: a layout is traced only when its
 modelled peak fits this machine (:func:`trace_budget`), the two steps of the ranks it runs take at most
@@ -40,8 +43,12 @@ class TracedPeak:
     seconds: float = 0.0
     error: Optional[str] = None
     partial: bool = False
-    """MoE with ep > 1: the fake backend delivers no peer's tokens, so the pairs this rank's experts receive are
+    """MoE with ep > 1 traced without values (a world of more than ``EXACT_MAX_RANKS`` ranks, or too costly to
+    rehearse whole): the fake backend delivers no peer's tokens, so the pairs this rank's experts receive are
     missing; the modelled figure (with the routing-imbalance bound) decides for such a layout."""
+    exact: bool = False
+    """Every rank of the world was rehearsed, its collectives carrying values (:mod:`megashard.rehearse.exact`);
+    ``rank`` is the one that peaks."""
 
 
 def trace_budget() -> int:
@@ -94,16 +101,28 @@ def pp_rank_ranks(sizes: Any, pp_ranks: list[int]) -> list[int]:
     return out
 
 
+def exact_wanted(job: Any, sizes: Any, world_size: int) -> bool:
+    """Whether ``job``'s trace must run every rank with values (:mod:`megashard.rehearse.exact`): experts over
+    ep > 1 ranks (what a rank's experts receive follows every peer's routing) in a world of at most
+    :data:`~megashard.rehearse.exact.EXACT_MAX_RANKS` ranks."""
+    from megashard.rehearse.exact import EXACT_MAX_RANKS
+
+    return job.model.num_experts > 0 and sizes.ep > 1 and world_size <= EXACT_MAX_RANKS
+
+
 def trace_memory(job: Any, world_size: int, pp_ranks: Optional[list[int]] = None,
-                 jobs: Optional[int] = None) -> list[TracedPeak]:
-    """The traced peak of the first rank of each pipeline rank in ``pp_ranks`` (default: every pipeline rank) of
-    ``job`` (a :class:`~megashard.train.config.JobConfig` with the layout's overrides) in a world of ``world_size``
-    ranks. One process per rank, forked (``jobs`` at a time). The caller must not have torch.distributed
-    initialised."""
+                 jobs: Optional[int] = None, exact: Optional[bool] = None) -> list[TracedPeak]:
+    """The traced peak of each pipeline rank in ``pp_ranks`` (default: every pipeline rank) of ``job`` (a
+    :class:`~megashard.train.config.JobConfig` with the layout's overrides) in a world of ``world_size`` ranks: its
+    first rank's (FSDP's largest shard), or with ``exact`` (default :func:`exact_wanted`) the largest of all its
+    ranks, every rank of the world rehearsed with values. One process per rank, forked (``jobs`` at a time). The
+    caller must not have torch.distributed initialised."""
+    from megashard.layout import RankLayout
     from megashard.rehearse import RankHooks, rehearse_job
 
     sizes = job.validate(world_size)
     pp_ranks = list(range(sizes.pp)) if pp_ranks is None else pp_ranks
+    exact = exact_wanted(job, sizes, world_size) if exact is None else exact
     ranks = pp_rank_ranks(sizes, pp_ranks)
     from megashard.advisor.host import token_bytes
 
@@ -114,19 +133,25 @@ def trace_memory(job: Any, world_size: int, pp_ranks: Optional[list[int]] = None
     gloo = job_device(job.parallel) == "cpu"
     hooks = RankHooks(after_build=lambda ctx: _after_build(ctx, gloo), around_step=_around_step, result=_result)
     t0 = time.perf_counter()
-    traces = rehearse_job(job, world_size, ranks=ranks, steps=1, warmup=1, hooks=hooks, jobs=jobs)
+    traces = rehearse_job(job, world_size, ranks=ranks, steps=1, warmup=1, hooks=hooks, jobs=jobs, exact=exact)
     seconds = time.perf_counter() - t0
+    layout = RankLayout(sizes)
     out = []
-    by_rank = dict(traces)
-    for r, g in zip(pp_ranks, ranks):
-        t = by_rank.get(g)
-        if t is None or t.status != "ok" or t.result is None:
+    for r, first in zip(pp_ranks, ranks):
+        mine = [g for g in sorted(traces) if layout.coords(g).get("pp", 0) == r] if exact else [first]
+        bad = [traces.get(g) for g in mine if traces.get(g) is None or traces[g].status != "ok"
+               or traces[g].result is None]
+        if bad or not mine:
+            t = bad[0] if bad else None
             why = (t.error or t.status) if t is not None else "not run"
-            out.append(TracedPeak(g, r, None, seconds=seconds, error=str(why).strip().splitlines()[-1][:200]))
+            out.append(TracedPeak(first, r, None, seconds=seconds, error=str(why).strip().splitlines()[-1][:200]))
             continue
-        peak, op = t.result
-        partial = job.model.num_experts > 0 and sizes.ep > 1
-        out.append(TracedPeak(g, r, peak + data, op, t.seconds or seconds, partial=partial))
+        g = max(mine, key=lambda g: traces[g].result[0])
+        peak, op = traces[g].result[:2]
+        # values decide only with experts over ep ranks; an exact rehearsal that met a collective it cannot answer
+        # (every one the job and DTensor use is answered) is as partial as a rank traced alone
+        partial = job.model.num_experts > 0 and sizes.ep > 1 and (not exact or any(traces[x].result[2] for x in mine))
+        out.append(TracedPeak(g, r, peak + data, op, traces[g].seconds or seconds, partial=partial, exact=exact))
     return out
 
 
@@ -190,9 +215,11 @@ def _around_step(ctx: Any) -> Any:
     return _Live(ctx)
 
 
-def _result(ctx: Any) -> tuple[int, str]:
+def _result(ctx: Any) -> tuple[int, str, list[str]]:
+    """The rank's peak, the op it was reached after, and the collectives an exact rehearsal could not answer."""
     live = ctx.extra["live"]
-    return live.peak, live.peak_op
+    exchange = ctx.recorder.exchange if ctx.recorder is not None else None
+    return live.peak, live.peak_op, sorted(exchange.unanswered) if exchange is not None else []
 
 
 def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit: int = 1 << 30) -> None:
@@ -234,8 +261,14 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
             continue
         job = JobConfig.from_dict(yamlfile.apply_overrides(doc, c.overrides()), name=name)
         # a pipeline's trace runs every stage (the sends of one feed the receives of the next), the others one rank
-        # per traced pipeline rank
-        cost = trace_seconds(JobShape.from_job(job), result.world_size, rate) * max(c.sizes["pp"], 1)
+        # per traced pipeline rank; an exact one (MoE over ep ranks) every rank, each with its real tensors
+        one = trace_seconds(JobShape.from_job(job), result.world_size, rate)
+        cost = one * max(c.sizes["pp"], 1)
+        exact = exact_wanted(job, job.validate(result.world_size), result.world_size)
+        if exact and (one * result.world_size > TRACE_SECONDS or m.peak * result.world_size > budget):
+            exact = False  # traced alone: partial, the modelled figure decides
+        elif exact:
+            cost = one * result.world_size
         if cost > TRACE_SECONDS:
             note(f"{c.label()}: not traced (its ranks' steps are about {cost:,.0f} s of this CPU's time, more than the "
                  f"{TRACE_SECONDS:g} s a trace may take; the modelled figure decides)")
@@ -249,12 +282,15 @@ def certify(result: Any, doc: dict, name: str, top: int, log: Any = None, limit:
             continue
         pp = c.sizes["pp"]
         pp_ranks = sorted({m.rank, 0, pp - 1})
-        peaks = trace_memory(job, result.world_size, pp_ranks)
+        peaks = trace_memory(job, result.world_size, pp_ranks, exact=exact)
         good = [p for p in peaks if p.peak is not None]
         c.traced = max(good, key=lambda p: p.peak) if good else None
         c.trace_error = None if good else (peaks[0].error if peaks else "no rank traced")
         if log is not None:
-            what = f"{c.traced.peak / 2**20:.2f} MiB (rank {c.traced.rank})" if c.traced else f"failed: {c.trace_error}"
+            what = (f"{c.traced.peak / 2**20:.2f} MiB (rank {c.traced.rank}"
+                    + ("; every rank rehearsed, collectives carrying values" if c.traced.exact else "")
+                    + (", partial: traced alone" if c.traced.partial else "") + ")"
+                    if c.traced else f"failed: {c.trace_error}")
             log(f"traced {c.label()}: {what}")
         if c.traced is not None and c.peak > result.device_memory:
             result.ranked.pop(i)

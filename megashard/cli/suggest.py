@@ -338,7 +338,7 @@ def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = Tr
     if refusal:
         lines.append(f"memory per rank, traced: not traced (megashard run would refuse this job: {refusal})")
     elif trace:
-        from megashard.advisor.trace import trace_budget, trace_memory
+        from megashard.advisor.trace import exact_wanted, trace_budget, trace_memory
 
         budget = min(limit, trace_budget())
         if c.memory.peak > budget:
@@ -346,7 +346,9 @@ def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = Tr
                          f"{budget / 2**30:.2f} GiB, the most a trace allocates here; --trace-limit)")
         else:
             pp_ranks = sorted({c.memory.rank, 0, sizes.pp - 1}) if sizes.pp > 4 else list(range(sizes.pp))
-            peaks = trace_memory(job, sizes.world_size, pp_ranks)
+            # MoE over ep ranks: every rank with values, when their real tensors fit together (else one, partial)
+            exact = exact_wanted(job, sizes, sizes.world_size) and c.memory.peak * sizes.world_size <= budget
+            peaks = trace_memory(job, sizes.world_size, pp_ranks, exact=exact)
             good = [p for p in peaks if p.peak is not None]
             c.traced = max(good, key=lambda p: p.peak) if good else None
             c.trace_error = None if good else (peaks[0].error if peaks else "no rank traced")
@@ -356,5 +358,7 @@ def layout_memory(job: Any, sizes: Any, refusal: Optional[str], trace: bool = Tr
     data = {"modelled_bytes": c.memory.peak, "phase": c.memory.phase, "pp_rank": c.memory.rank,
             "parts": c.memory.parts, "traced_bytes": c.traced.peak if c.traced is not None else None,
             "traced_rank": c.traced.rank if c.traced is not None else None, "trace_error": c.trace_error,
+            "traced_exact": c.traced.exact if c.traced is not None else None,
+            "traced_partial": c.traced.partial if c.traced is not None else None,
             "host_bytes": c.host.peak, "host_parts": c.host.parts, "device": device}
     return data, lines

@@ -11,7 +11,8 @@ world sizes of hundreds run on a laptop. Modules: ``recorder`` (what a rank call
 the mailbox of point-to-point messages), ``job`` (a rank of ``megashard run``'s job), ``script`` (a rank of a user's
 script), ``compare`` (the ranks' calls checked against each other:
 :func:`~megashard.rehearse.compare.check_traces`), ``before_launch`` (``megashard run``'s check),
-``suggest_check`` (``plan --suggest --check-collectives``), ``works``. See docs/rehearse.md.
+``suggest_check`` (``plan --suggest --check-collectives``), ``works``, ``exact`` (every rank together, collectives
+carrying values: ``rehearse_job(..., exact=True)``). See docs/rehearse.md.
 """
 from __future__ import annotations
 

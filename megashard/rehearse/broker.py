@@ -46,6 +46,11 @@ def _recv(conn: Any) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+def _shared(key: tuple) -> bool:
+    """A message every member of a group takes (a broadcast: ``(src, -1, group, n)``), kept once posted."""
+    return len(key) == 4 and key[1] == -1
+
+
 class Channel:
     """A rank's end of its pipe to the broker: ``put`` a message, ``get`` one (waiting for its sender)."""
 
@@ -63,13 +68,14 @@ class Channel:
         return reply[1]
 
 
-def _child(rank: int, world_size: int, conn: Any, body: Callable[[int, Recorder], Any], inherited: list) -> None:
+def _child(rank: int, world_size: int, conn: Any, body: Callable[[int, Recorder], Any], inherited: list,
+           exact: bool = False) -> None:
     """The rank's process: run ``body``, send the trace, leave without running the parent's exit handlers."""
     for other in inherited:  # the broker's ends of the pipes (its own too): so that a broker that ends is seen
         other.close()
     code = 0
     t0 = time.perf_counter()
-    recorder = Recorder(rank, world_size, Channel(conn))
+    recorder = Recorder(rank, world_size, Channel(conn), exact=exact)
     try:
         import torch
 
@@ -116,15 +122,18 @@ class Broker:
             started too (a pipeline's peers) and its trace returned with the others.
         jobs: ranks running at a time (default :func:`default_jobs`).
         progress: ``progress(done, total)`` after each rank ends.
+        exact: collectives carry values (:mod:`megashard.rehearse.exact`; ``ranks`` should then be every rank).
     """
 
     def __init__(self, body: Callable[[int, Recorder], Any], world_size: int, ranks: Optional[Iterable[int]] = None,
-                 *, jobs: Optional[int] = None, progress: Optional[Callable[[int, int], None]] = None):
+                 *, jobs: Optional[int] = None, progress: Optional[Callable[[int, int], None]] = None,
+                 exact: bool = False):
         self.body = body
         self.world_size = int(world_size)
         self.order = list(range(self.world_size) if ranks is None else ranks)
         self.jobs = max(1, jobs or default_jobs())
         self.progress = progress
+        self.exact = exact
         self._ctx = multiprocessing.get_context("fork")
 
     def run(self) -> dict[int, RankTrace]:
@@ -134,8 +143,9 @@ class Broker:
         by_conn: dict[Any, int] = {}
         running: set[int] = set()
         waiting: dict[tuple, list[int]] = {}  # message key -> the ranks waiting for it
-        # A key (src, dst, k) is one point-to-point message, taken once; a longer key (src, -1, group, n) is what
-        # rank src broadcast in its n-th collective on a group: every member takes it.
+        # A key (src, dst, k) is one point-to-point message, taken once, and so is (src, dst, group, n, "x"), src's part
+        # for dst of their n-th collective on a group (an exact rehearsal); (src, -1, group, n) is what rank src
+        # broadcast in its n-th collective on a group: every member takes it.
         blocked_on: dict[int, tuple] = {}
         mailbox: dict[tuple, Any] = {}
         traces: dict[int, RankTrace] = {}
@@ -143,8 +153,8 @@ class Broker:
 
         def start(rank: int) -> None:
             parent, child = self._ctx.Pipe(duplex=True)
-            p = self._ctx.Process(target=_child, args=(rank, self.world_size, child, self.body, [*by_conn, parent]),
-                                  daemon=True)
+            p = self._ctx.Process(target=_child, daemon=True,
+                                  args=(rank, self.world_size, child, self.body, [*by_conn, parent], self.exact))
             p.start()
             child.close()
             started[rank] = (p, parent)
@@ -194,13 +204,13 @@ class Broker:
                         key, value = msg[1], msg[2]
                         mailbox[key] = value
                         for who in waiting.pop(key, []):
-                            _send(started[who][1], ("msg", mailbox[key] if len(key) > 3 else mailbox.pop(key)))
+                            _send(started[who][1], ("msg", mailbox[key] if _shared(key) else mailbox.pop(key)))
                             blocked_on.pop(who, None)
                             running.add(who)
                     elif kind == "get":
                         key = msg[1]
                         if key in mailbox:
-                            _send(conn, ("msg", mailbox[key] if len(key) > 3 else mailbox.pop(key)))
+                            _send(conn, ("msg", mailbox[key] if _shared(key) else mailbox.pop(key)))
                         else:
                             waiting.setdefault(key, []).append(rank)
                             blocked_on[rank] = key

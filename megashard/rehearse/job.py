@@ -60,15 +60,18 @@ class RankHooks:
     result: Optional[Callable[[RankContext], Any]] = None
 
 
-def rehearsal_job(job: JobConfig, steps: int = 1) -> JobConfig:
-    """The job as a rehearsal runs it (see the module docstring): the same model, layout, batch and schedule."""
+def rehearsal_job(job: JobConfig, steps: int = 1, exact: bool = False) -> JobConfig:
+    """The job as a rehearsal runs it (see the module docstring): the same model, layout, batch and schedule.
+    ``exact`` (:mod:`megashard.rehearse.exact`: values matter) keeps the job's own synthetic data, whose tokens the
+    real job trains on."""
     import copy
 
     job = copy.deepcopy(job)
     job.parallel = dataclasses.replace(job.parallel, backend="fake", device="cpu")
     need = max(64, job.train.global_batch * (steps + 1))
-    job.data = dataclasses.replace(job.data, source="synthetic", path=None, blend=None, prepare_inputs=None,
-                                   valid_fraction=0.0, num_sequences=need)
+    if not (exact and job.data.source == "synthetic"):
+        job.data = dataclasses.replace(job.data, source="synthetic", path=None, blend=None, prepare_inputs=None,
+                                       valid_fraction=0.0, num_sequences=need)
     job.train = dataclasses.replace(job.train, compile=False, doctor=False, progress=False, plot=False,
                                     fail_at_step=None, eval_interval=0)
     job.model = dataclasses.replace(job.model, init_from=None)
@@ -77,18 +80,17 @@ def rehearsal_job(job: JobConfig, steps: int = 1) -> JobConfig:
 
 class JobRank:
     """``body(rank, recorder)`` for :class:`~megashard.rehearse.broker.Broker`: one rank of ``job`` in a world of
-    ``world_size``, ``warmup + steps`` steps (every call recorded)."""
+    ``world_size``, ``warmup + steps`` steps (every call recorded; ``exact``: see :func:`rehearsal_job`)."""
 
     def __init__(self, job: JobConfig, world_size: int, *, steps: int = 1, warmup: int = 0,
-                 hooks: Optional[RankHooks] = None):
-        self.job = rehearsal_job(job, steps + warmup)
+                 hooks: Optional[RankHooks] = None, exact: bool = False):
+        self.job = rehearsal_job(job, steps + warmup, exact)
         self.sizes = self.job.validate(world_size)  # in the caller: a bad layout is one line before any fork
         self.world_size = world_size
         self.steps, self.warmup = steps, warmup
         self.hooks = hooks or RankHooks()
         self.context: Optional[RankContext] = None
         preload(self.sizes.pp > 1)
-
 
     def __call__(self, rank: int, recorder: Any) -> Any:
         import torch.distributed as dist

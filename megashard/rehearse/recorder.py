@@ -135,7 +135,11 @@ def call_site(depth: int = 2) -> str:
     return "?"
 
 
-from megashard.rehearse.works import DeferredRecv as _DeferredRecv, SentWork as _SentWork  # noqa: E402
+from megashard.rehearse.works import (  # noqa: E402
+    DeferredRecv as _DeferredRecv,
+    DoneWork as _DoneWork,
+    SentWork as _SentWork,
+)
 
 
 def _sig(t: Any) -> str:
@@ -164,13 +168,20 @@ def _as_from_a_peer_like_this_rank(args: tuple, kwargs: dict) -> None:
 
 class Recorder:
     """The calls of rank ``rank`` (see the module docstring); ``channel``: the rehearsal's mailbox (None: receives
-    are not waited for and get no values)."""
+    are not waited for and get no values); ``exact``: every collective is answered with its peers' values through the
+    channel (:mod:`megashard.rehearse.exact`: every rank of the world rehearsed together) and every message carries
+    its values."""
 
-    def __init__(self, rank: int, world_size: int, channel: Any = None):
+    def __init__(self, rank: int, world_size: int, channel: Any = None, exact: bool = False):
         self.trace = RankTrace(rank, world_size)
         self.rank = rank
         self.world_size = world_size
         self.channel = channel
+        self.exchange = None
+        if exact and channel is not None:
+            from megashard.rehearse.exact import Exchange
+
+            self.exchange = Exchange(self)
         self._groups: dict[int, tuple[Any, GroupInfo]] = {}
         self._sent: dict[int, int] = {}  # peer -> sends to it so far
         self._recvd: dict[int, int] = {}  # peer -> receives from it so far
@@ -282,6 +293,13 @@ class Recorder:
             return self._object_collective(name, args, kwargs, info, seq)
         if name == "monitored_barrier":
             return None
+        if self.exchange is not None:
+            if name in ("all_to_all_single", "all_to_all") and not spec.functional:
+                # answered by the peers alone: the fake backend refuses what gloo takes (a rank that sends no row
+                # but receives some, as the router's choices on a pipeline's shape-inference input can make)
+                self.exchange.settle(name, spec, args, kwargs, info, seq, None)
+                return _DoneWork() if async_op else None
+            return self.exchange.settle(name, spec, args, kwargs, info, seq, spec.fn(*args, **kwargs))
         out = spec.fn(*args, **kwargs)
         if name == "all_to_all_single" and not spec.functional:
             _as_from_a_peer_like_this_rank(args, kwargs)
@@ -300,8 +318,9 @@ class Recorder:
         if name == "all_gather_object":
             out = args[0] if args else kwargs.get("object_list")
             obj = args[1] if len(args) > 1 else kwargs.get("obj")
+            every = self.exchange.gather(info, seq, obj) if self.exchange is not None else [obj] * len(out)
             for i in range(len(out)):
-                out[i] = obj
+                out[i] = every[i]
         elif name == "gather_object":
             obj = args[0] if args else kwargs.get("obj")
             out = args[1] if len(args) > 1 else kwargs.get("object_gather_list")
@@ -390,8 +409,12 @@ class Recorder:
         value = None
         if obj:
             value = payload
-        elif isinstance(payload, torch.Tensor) and payload.numel() <= PAYLOAD_MAX_NUMEL:
-            value = payload.detach().to("cpu").clone()
+        elif isinstance(payload, torch.Tensor) and (self.exchange is not None or payload.numel() <= PAYLOAD_MAX_NUMEL):
+            from megashard._compat import no_dispatch_modes
+            from megashard.rehearse.exact import _portable
+
+            with no_dispatch_modes():  # the transfer's copy is not the program's tensor
+                value = _portable(payload)
         self.channel.put((self.rank, dst, k), value)
 
     def _take(self, tensor: Any, src: int, k: int) -> Any:

@@ -29,14 +29,14 @@ def rank_order(sizes: Any, ranks: Optional[Iterable[int]] = None) -> list[int]:
 
 def rehearse_job(job: Any, world_size: int, ranks: Optional[Iterable[int]] = None, *, steps: int = 1,
                  warmup: int = 0, hooks: Optional[RankHooks] = None, jobs: Optional[int] = None,
-                 progress: Optional[Callable[[int, int], None]] = None) -> dict[int, RankTrace]:
+                 progress: Optional[Callable[[int, int], None]] = None, exact: bool = False) -> dict[int, RankTrace]:
     """Rehearse ``warmup + steps`` training steps of ``ranks`` (default all) of ``job``
     (:class:`~megashard.train.config.JobConfig`) in a world of ``world_size``; returns rank -> :class:`RankTrace`
     (also of the pipeline peers a rank needed). ConfigError, before any process starts, for a layout the job
-    refuses."""
-    body = JobRank(job, world_size, steps=steps, warmup=warmup, hooks=hooks)
-    order = rank_order(body.sizes, ranks)
-    return Broker(body, world_size, order, jobs=jobs, progress=progress).run()
+    refuses. ``exact``: every rank, its collectives answered with values (:mod:`megashard.rehearse.exact`)."""
+    body = JobRank(job, world_size, steps=steps, warmup=warmup, hooks=hooks, exact=exact)
+    order = rank_order(body.sizes, None if exact else ranks)
+    return Broker(body, world_size, order, jobs=jobs, progress=progress, exact=exact).run()
 
 
 def rehearse_rank(job: Any, rank: int, world_size: int, *, steps: int = 1, warmup: int = 0,

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["DeferredRecv", "SentWork"]
+__all__ = ["DeferredRecv", "DoneWork", "SentWork"]
 
 
 class DeferredRecv:
@@ -82,3 +82,11 @@ class SentWork:
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
+
+
+class DoneWork(SentWork):
+    """The Work of a collective an exact rehearsal answered itself (:mod:`megashard.rehearse.exact`): complete, holding
+    nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
