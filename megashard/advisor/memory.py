@@ -11,7 +11,8 @@ It counts what ``megashard run`` really keeps (docs/advisor.md has every formula
 - **gathered**: the unsharded parameters FSDP2 all-gathers in the compute dtype — the root module (embeddings,
   head) for the whole forward and backward, one block (plus the next, prefetched) at a time, the blocks FSDP never
   reshards after forward (the last; all on a one-rank mesh) until their backward, and the last all-gather's buffer
-  FSDP holds at the end of forward; a pipeline stage keeps all of its blocks gathered for the step
+  FSDP holds at the end of forward, each padded to whole shards (n · ceil(dim0 / n) rows: one expert sharded over
+  two ranks is gathered as two); a pipeline stage keeps all of its blocks gathered for the step
   (``train.reshard_between_microbatches: false``), and gradient accumulation (pipeline or ``train.microbatches >
   1``) keeps every unsharded gradient until the last microbatch;
 - **activations**: the tensors each block saves for backward (:func:`block_activation`: cp's gathered keys and
@@ -128,6 +129,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
     dense: list[tuple[int, int]] = []
     expert: list[tuple[int, int]] = []
     blocks: list[tuple[int, int]] = []  # (unsharded dense numel, unsharded expert numel) per block, forward order
+    padded: list[tuple[int, int]] = []  # the same as FSDP holds them gathered (padded to whole shards)
     acts: list[int] = []  # bytes saved per block per microbatch
     expert_big: list[int] = []  # elements of each block's largest expert tensor (0: a dense block)
     expert_n: list[int] = []  # how many expert tensors of that size (gpt: w1, w2; llama: w1, w3, w2)
@@ -146,6 +148,10 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             dense += d
             expert += x
             blocks.append((numel(d), numel(x)))
+            # FSDP2 all-gathers every rank's padded shard (ceil(dim0 / n) rows) and its unsharded parameter is a view
+            # of that padded storage: one expert over two ranks holds two experts' bytes
+            padded.append((sharded_numel(d, n_dense) * n_dense, sharded_numel(x, n_expert) * n_expert))
+            last_shapes = (d, x)
             expert_big.append(max((a * b for a, b in x), default=0))
             expert_n.append(sum(a * b == expert_big[-1] for a, b in x))
             pairs_of.append(moe_pairs(s, t, tp, ep, etp) if moe else 0)
@@ -189,7 +195,7 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
 
     state = params + optim + data
     n = len(blocks)
-    block_u = [(d + x) * ce for d, x in blocks]
+    block_u = [(d + x) * ce for d, x in padded]
     block_g = [(d + x) * gb for d, x in blocks]  # a block's unsharded gradients
     block_s = [-(-d * gb // max(1, n_dense)) + -(-x * gb // max(1, n_expert)) for d, x in blocks]  # ... sharded
     root_g = numel(root) * gb
@@ -211,20 +217,21 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
         # FSDP reshards a block after its forward only where its mesh (HSDP replicas included) has more than one
         # rank, and never the last block (its backward comes next; megashard.models.parallelize)
         mesh_d, mesh_x = n_dense * sz.dp_outer, n_expert * sz.dp_outer
-        kept_u = [(0 if mesh_d > 1 and i < n - 1 else blocks[i][0] * ce)
-                  + (0 if mesh_x > 1 and i < n - 1 else blocks[i][1] * ce) for i in range(n)]
+        kept_u = [(0 if mesh_d > 1 and i < n - 1 else padded[i][0] * ce)
+                  + (0 if mesh_x > 1 and i < n - 1 else padded[i][1] * ce) for i in range(n)]
     g_fwd = all_u if gathered_all else root_u + sum(kept_u)
     # FSDP2 keeps the last all-gather's output buffer (``comm_ctx.all_gather_state``) until the next all-gather: at the
     # end of forward that is the last block's (its experts' when it is an MoE block: a unit of its own), and when
     # that unit is the experts, the first backward all-gather comes only after their backward (their prefetch is a
     # no-op: they were never resharded).
+    # The buffer holds every rank's padded shard: ceil(dim0 / n) rows each (one expert over two ranks: twice its size).
     ag_buf, ag_into_bwd = 0, False
     if not gathered_all and blocks:
-        d_last, x_last = blocks[-1]
+        d_last, x_last = last_shapes
         if x_last and n_expert > 1:
-            ag_buf, ag_into_bwd = x_last * ce, True
+            ag_buf, ag_into_bwd = sharded_numel(x_last, n_expert) * n_expert * ce, True
         elif n_dense > 1:
-            ag_buf = d_last * ce
+            ag_buf = sharded_numel(d_last, n_dense) * n_dense * ce
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
@@ -377,7 +384,12 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
             # tensor, select_backward, summed into the weight's: one more of the largest alive meanwhile); reduced
             # now (no pipeline, mb = 1 or the last microbatch: autograd's gradients and the reduce-scatter's copy),
             # or accumulated into the unsharded ones kept
-            new = block_g[i] + expert_big[i] * gb
+            # (bytes: autograd's gradients come in the gathered parameters' dtype, bf16 under mixed precision; where a
+            # shard group has more than one rank, gloo's reduce-scatter holds a copy of its fp32 input instead, while
+            # FSDP2 copies a group of one's input to its output itself; the select_backward of an expert weight is
+            # autograd's too)
+            new = (blocks[i][0] * (ce if n_dense == 1 else gb) + blocks[i][1] * (ce if n_expert == 1 else gb)
+                   + expert_big[i] * ce)
             reduced = pp == 1 and (sync or mb == 1)
             # reduced: autograd's gradients (or, on gloo, its reduce-scatter's copy of the input) and the input, and
             # the sharded output
@@ -391,9 +403,10 @@ def _estimate_rank(s: JobShape, sz: Any, r: int, recompute: bool, distribute_sav
                 # weight's gradient builds up as a full-size tensor (select_backward of w[e]) that the next expert's is
                 # summed into out of place, so every weight's running sum plus a new one and their sum are alive;
                 # beside them the output's gradient, the pairs' gradients received and scattered back, one expert's
-                # hidden one. The held all-gather buffer is gone: the block's backward began by prefetching.
+                # hidden one (autograd's, in the gathered weights' dtype). The held all-gather buffer is gone: the
+                # block's backward began by prefetching.
                 per_expert = pairs_of[i] // max(1, s.num_experts // ep)
-                work = (expert_n[i] + 2) * expert_big[i] * gb
+                work = (expert_n[i] + 2) * expert_big[i] * ce
                 grads_moe = (t * h + 2 * pairs_of[i] * h + per_expert * (s.ffn // etp)) * e
                 c_act = before - per_expert * moe_pair_bytes(s, etp) + grads_moe
                 moment(f"backward block {i} (experts)", state + g + c_act + gr + work + tx + rs_held,
