@@ -13,7 +13,7 @@ all-to-all) through the rehearsal's mailbox (:mod:`megashard.rehearse.broker`), 
 writes the result into the call's output — sums in member order, in the tensor's dtype. The rank's ops, allocations
 and order stay those of the fake rehearsal: the transfer copies are made with no dispatch mode watching
 (:func:`megashard._compat.no_dispatch_modes`), as gloo's buffers are not tensors; only values change. The losses
-then equal the real run's (tests/test_advisor_trace_exact.py) and a traced MoE peak equals the measured one.
+then equal the real run's (tests/test_rehearse_exact.py) and a traced MoE peak equals the measured one.
 
 It costs every rank's step in this machine's CPU and memory, so :mod:`megashard.advisor.trace` uses it only where
 values decide memory (experts over ep > 1 ranks) and the world is small (:data:`EXACT_MAX_RANKS`).
@@ -44,7 +44,7 @@ def _reduce(parts: list[torch.Tensor], op: Any, like: torch.Tensor) -> torch.Ten
     acc = parts[0].to(like.dtype).clone()
     for p in parts[1:]:
         p = p.to(like.dtype)
-        if name in ("sum", "avg", "premul_sum"):
+        if name in ("sum", "avg"):
             acc.add_(p)
         elif name == "max":
             torch.maximum(acc, p, out=acc)
@@ -52,8 +52,8 @@ def _reduce(parts: list[torch.Tensor], op: Any, like: torch.Tensor) -> torch.Ten
             torch.minimum(acc, p, out=acc)
         elif name in ("product", "prod"):
             acc.mul_(p)
-        else:
-            raise ValueError(f"exact rehearsal: reduce op {name!r} is not supported")
+        else:  # premul_sum (NCCL's), bitwise ops: the trace fails, naming it, and the modelled figure decides
+            raise ValueError(f"exact rehearsal: reduce op {name!r} is not supported (sum, avg, max, min, product are)")
     if name == "avg":
         acc = acc / len(parts) if not acc.is_floating_point() else acc.div_(len(parts))
     return acc

@@ -318,7 +318,12 @@ class Recorder:
         if name == "all_gather_object":
             out = args[0] if args else kwargs.get("object_list")
             obj = args[1] if len(args) > 1 else kwargs.get("obj")
-            every = self.exchange.gather(info, seq, obj) if self.exchange is not None else [obj] * len(out)
+            every = [obj] * len(out)
+            if self.exchange is not None:  # every member's object
+                from megashard._compat import no_dispatch_modes
+
+                with no_dispatch_modes():
+                    every = self.exchange.gather(info, seq, obj)
             for i in range(len(out)):
                 out[i] = every[i]
         elif name == "gather_object":
