@@ -17,6 +17,10 @@ from megashard.live import LiveLoop
 OUT = os.environ["LIVE_LOOP_OUT"]
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 GLOBAL_BATCH = 8
+#: Seconds each step lasts at least (``LIVE_LOOP_STEP_S``): a test that watches the losses and then holds the world
+#: between steps has that long to do it; at full speed the world could run to the end first (the job then ends and a
+#: node that comes to join finds the rendezvous closed).
+STEP_S = float(os.environ.get("LIVE_LOOP_STEP_S", "0"))
 
 
 def build(state):
@@ -44,6 +48,7 @@ def train_step(model, optimizer, state, step):
     optimizer.zero_grad(set_to_none=True)
     total = loss.detach().clone()
     dist.all_reduce(total)
+    time.sleep(STEP_S)  # the test's window: it holds the world within a step of seeing one (a race at full speed)
     if dist.get_rank() == 0:
         with open(os.path.join(OUT, "losses.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step + 1, "loss": float(total) / dp, "world_size": dist.get_world_size(),

@@ -325,7 +325,11 @@ def test_a_users_own_loop_under_live_loop_survives_a_kill_and_a_join(tmp_path):
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"loop-{port}",
             "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=4,keep_alive_max_attempt=3", "--max-restarts", "0",
             script, str(steps)]
-    lenv = {**env, "LIVE_LOOP_OUT": str(live), "MEGASHARD_PAUSE_FILE": pause, "MEGASHARD_RECOVERY": "live"}
+    # every step at least 0.3 s: seeing a step and holding the world (the pause file) must come before the world
+    # could run to the end (at full speed it once did, between the poll and the pause: the job ended, the joining
+    # node found the rendezvous closed)
+    lenv = {**env, "LIVE_LOOP_OUT": str(live), "MEGASHARD_PAUSE_FILE": pause, "MEGASHARD_RECOVERY": "live",
+            "LIVE_LOOP_STEP_S": "0.3"}
 
     def records():
         try:
