@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["EXACT_MAX_RANKS", "Exchange"]
+__all__ = ["EXACT_MAX_RANKS", "Exchange", "portable"]
 
 #: The largest world an exact rehearsal runs (every rank at once, each with its real tensors).
 EXACT_MAX_RANKS = 8
@@ -91,23 +91,47 @@ class Exchange:
         """Collectives this rank called that carry no values here (their outputs stay the fake backend's)."""
 
     # ------------------------------------------------------------------ the mailbox
-    def swap(self, info: Any, seq: int, parts: dict[int, Any]) -> dict[int, Any]:
-        """Post ``parts[j]`` (picklable; tensors copied) to member ``j`` of group ``info`` for its collective number
-        ``seq``; return member index -> what that member posted to this rank, for every member in ``parts``' keys
-        that is not this rank (who sends to whom is the same on every member)."""
+    def _post(self, info: Any, seq: int, j: int, value: Any) -> None:
         rec = self.recorder
-        me = info.ranks.index(rec.rank)
-        for j, value in parts.items():
-            if j == me:
-                continue
-            rec.channel.put((rec.rank, info.ranks[j], info.key, seq, "x"), _portable(value))
-        return {j: rec.channel.get((info.ranks[j], rec.rank, info.key, seq, "x")) for j in parts if j != me}
+        rec.channel.put((rec.rank, info.ranks[j], info.key, seq, "x"), portable(value))
 
-    def gather(self, info: Any, seq: int, value: Any) -> list[Any]:
+    def _take(self, info: Any, seq: int, j: int) -> Any:
+        rec = self.recorder
+        return rec.channel.get((info.ranks[j], rec.rank, info.key, seq, "x"))
+
+    def _me(self, info: Any) -> int:
+        return info.ranks.index(self.recorder.rank)
+
+    def exchange(self, info: Any, seq: int, parts: list) -> list:
+        """Every member sends ``parts[j]`` to member ``j`` of group ``info`` (its collective number ``seq``); returns
+        what each member sent this rank, in member order (this rank's own part as given)."""
+        me = self._me(info)
+        for j, value in enumerate(parts):
+            if j != me:
+                self._post(info, seq, j, value)
+        return [parts[j] if j == me else self._take(info, seq, j) for j in range(len(info.ranks))]
+
+    def gather(self, info: Any, seq: int, value: Any) -> list:
         """Every member's ``value`` in member order (this rank's own as given)."""
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {j: value for j in range(len(info.ranks))})
-        return [value if j == me else got[j] for j in range(len(info.ranks))]
+        return self.exchange(info, seq, [value] * len(info.ranks))
+
+    def fan_out(self, info: Any, seq: int, root: int, parts: Optional[list]) -> Any:
+        """Member ``root`` sends ``parts[j]`` to each member ``j``; returns this rank's part."""
+        me = self._me(info)
+        if me != root:
+            return self._take(info, seq, root)
+        for j, value in enumerate(parts):
+            if j != me:
+                self._post(info, seq, j, value)
+        return parts[me]
+
+    def fan_in(self, info: Any, seq: int, root: int, value: Any) -> Optional[list]:
+        """Every member sends ``value`` to member ``root``; returns every member's there (None elsewhere)."""
+        me = self._me(info)
+        if me != root:
+            self._post(info, seq, root, value)
+            return None
+        return [value if j == me else self._take(info, seq, j) for j in range(len(info.ranks))]
 
     # ------------------------------------------------------------------ the collectives
     def settle(self, name: str, spec: Any, args: tuple, kwargs: dict, info: Any, seq: int, out: Any) -> Any:
@@ -120,7 +144,7 @@ class Exchange:
         with no_dispatch_modes(), torch.no_grad():
             handler = getattr(self, ("f_" if spec.functional else "c_") + name, None)
             if handler is not None:
-                handler(_Args(spec, args, kwargs), info, seq, out)
+                handler(_Args(args, kwargs), info, seq, out)
             elif name not in ("barrier", "monitored_barrier"):
                 self.unanswered.add(name)
         return out
@@ -138,12 +162,8 @@ class Exchange:
 
     def c_broadcast(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         t = a.get("tensor", 0)
-        src = a.get("src", 1)
-        j = info.ranks.index(int(src)) if src is not None else int(a.get("group_src", -1, 0))
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {k: t for k in range(len(info.ranks))} if me == j else {j: None})
-        if me != j:
-            t.copy_(got[j])
+        root = a.member(info, "src", 1, "group_src")
+        t.copy_(self.fan_out(info, seq, root, [t] * len(info.ranks)))
 
     def c_all_gather(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         outs, t = a.get("tensor_list", 0), a.get("tensor", 1)
@@ -158,59 +178,42 @@ class Exchange:
 
     def c_reduce_scatter_tensor(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         o, t = a.get("output", 0), a.get("input", 1)
-        n, me = len(info.ranks), info.ranks.index(self.recorder.rank)
-        mine = t.reshape(n, -1)
-        got = self.swap(info, seq, {j: mine[j] for j in range(n)})
-        o.copy_(_reduce([mine[me] if j == me else got[j] for j in range(n)], a.get("op", 2, "sum"), o)
-                .reshape(o.shape))
+        got = self.exchange(info, seq, list(t.reshape(len(info.ranks), -1)))
+        o.copy_(_reduce(got, a.get("op", 2, "sum"), o).reshape(o.shape))
 
     c_reduce_scatter_single = c_reduce_scatter_tensor
 
     def c_reduce_scatter(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         o, ts = a.get("output", 0), a.get("input_list", 1)
-        n, me = len(info.ranks), info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {j: ts[j] for j in range(n)})
-        o.copy_(_reduce([ts[me] if j == me else got[j] for j in range(n)], a.get("op", 2, "sum"), o))
+        o.copy_(_reduce(self.exchange(info, seq, list(ts)), a.get("op", 2, "sum"), o))
 
     def c_reduce(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         t = a.get("tensor", 0)
-        dst = a.get("dst", 1)
-        j = info.ranks.index(int(dst)) if dst is not None else int(a.get("group_dst", -1, 0))
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {k: None for k in range(len(info.ranks))} if me == j else {j: t})
-        if me == j:
-            t.copy_(_reduce([t if k == me else got[k] for k in range(len(info.ranks))], a.get("op", 2, "sum"), t))
+        every = self.fan_in(info, seq, a.member(info, "dst", 1, "group_dst"), t)
+        if every is not None:
+            t.copy_(_reduce(every, a.get("op", 2, "sum"), t))
 
     def c_all_to_all_single(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         o, t = a.get("output", 0), a.get("input", 1)
-        n, me = len(info.ranks), info.ranks.index(self.recorder.rank)
-        send = _rows(t, a.get("input_split_sizes", 3), n)
-        got = self.swap(info, seq, {j: send[j] for j in range(n)})
-        for j, dst in enumerate(_rows(o, a.get("output_split_sizes", 2), n)):
-            dst.copy_((send[me] if j == me else got[j]).reshape(dst.shape))
+        n = len(info.ranks)
+        got = self.exchange(info, seq, _rows(t, a.get("input_split_sizes", 3), n))
+        for dst, v in zip(_rows(o, a.get("output_split_sizes", 2), n), got):
+            dst.copy_(v.reshape(dst.shape))
 
     def c_gather(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
-        t, outs, dst = a.get("tensor", 0), a.get("gather_list", 1), a.get("dst", 2)
-        j = info.ranks.index(int(dst)) if dst is not None else int(a.get("group_dst", -1, 0))
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {k: None for k in range(len(info.ranks))} if me == j else {j: t})
-        if me == j and outs:
-            for k, o in enumerate(outs):
-                o.copy_(t if k == me else got[k])
+        t, outs = a.get("tensor", 0), a.get("gather_list", 1)
+        every = self.fan_in(info, seq, a.member(info, "dst", 2, "group_dst"), t)
+        for o, v in zip(outs or [], every or []):
+            o.copy_(v)
 
     def c_scatter(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
-        t, ins, src = a.get("tensor", 0), a.get("scatter_list", 1), a.get("src", 2)
-        j = info.ranks.index(int(src)) if src is not None else int(a.get("group_src", -1, 0))
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {k: ins[k] for k in range(len(info.ranks))} if me == j else {j: None})
-        t.copy_(ins[me] if me == j else got[j])
+        t, ins = a.get("tensor", 0), a.get("scatter_list", 1)
+        t.copy_(self.fan_out(info, seq, a.member(info, "src", 2, "group_src"), ins))
 
     def c_all_to_all(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         outs, ins = a.get("output_tensor_list", 0), a.get("input_tensor_list", 1)
-        me = info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {j: ins[j] for j in range(len(info.ranks))})
-        for j, o in enumerate(outs):
-            o.copy_(ins[me] if j == me else got[j])
+        for o, v in zip(outs, self.exchange(info, seq, list(ins))):
+            o.copy_(v)
 
     # functional collectives (DTensor's; outputs are new tensors, written in place) -------------------
     def f_all_reduce(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
@@ -225,27 +228,21 @@ class Exchange:
 
     def f_reduce_scatter_tensor(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         t = a.get("self", 0)
-        n, me = len(info.ranks), info.ranks.index(self.recorder.rank)
-        mine = _chunks(t, n, int(a.get("scatter_dim", 2, 0)))
-        got = self.swap(info, seq, {j: mine[j] for j in range(n)})
-        _write(out, _reduce([mine[me] if j == me else got[j] for j in range(n)], a.get("reduceOp", 1, "sum"), t))
+        got = self.exchange(info, seq, _chunks(t, len(info.ranks), int(a.get("scatter_dim", 2, 0))))
+        _write(out, _reduce(got, a.get("reduceOp", 1, "sum"), t))
 
     f_reduce_scatter_tensor_autograd = f_reduce_scatter_tensor
 
     def f_all_to_all_single(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         t = a.get("self", 0)
-        n, me = len(info.ranks), info.ranks.index(self.recorder.rank)
-        send = _rows(t, a.get("input_split_sizes", 2), n)
-        got = self.swap(info, seq, {j: send[j] for j in range(n)})
-        _write(out, torch.cat([send[me] if j == me else got[j] for j in range(n)], 0))
+        _write(out, torch.cat(self.exchange(info, seq, _rows(t, a.get("input_split_sizes", 2), len(info.ranks))), 0))
 
     f_all_to_all_single_autograd = f_all_to_all_single
 
     def f_broadcast(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         t, src = a.get("self", 0), int(a.get("src", 1, 0))
-        j, me = info.ranks.index(src) if src in info.ranks else src, info.ranks.index(self.recorder.rank)
-        got = self.swap(info, seq, {k: t for k in range(len(info.ranks))} if me == j else {j: None})
-        _write(out, t if me == j else got[j])
+        root = info.ranks.index(src) if src in info.ranks else src  # a global rank of the group, else its index
+        _write(out, self.fan_out(info, seq, root, [t] * len(info.ranks)))
 
     def f_all_reduce_coalesced(self, a: "_Args", info: Any, seq: int, out: Any) -> None:
         ts = a.get("self", 0)
@@ -259,7 +256,7 @@ class _Args:
 
     __slots__ = ("args", "kwargs")
 
-    def __init__(self, spec: Any, args: tuple, kwargs: dict):
+    def __init__(self, args: tuple, kwargs: dict):
         self.args, self.kwargs = args, kwargs
 
     def get(self, name: str, pos: int, default: Any = None) -> Any:
@@ -267,12 +264,17 @@ class _Args:
             return self.kwargs[name]
         return self.args[pos] if 0 <= pos < len(self.args) else default
 
+    def member(self, info: Any, name: str, pos: int, group_name: str) -> int:
+        """The member index of a root given as a global rank (``name``) or as a group rank (``group_name``)."""
+        rank = self.get(name, pos)
+        return info.ranks.index(int(rank)) if rank is not None else int(self.get(group_name, -1, 0))
 
-def _portable(value: Any) -> Any:
+
+def portable(value: Any) -> Any:
     """What travels through the mailbox: a tensor as a compact CPU copy of its own elements (pickling a view sends
     its whole storage), lists element by element."""
     if isinstance(value, torch.Tensor):
         return _raw(value).detach().to("cpu").contiguous().clone()
     if isinstance(value, (list, tuple)):
-        return [_portable(v) for v in value]
+        return [portable(v) for v in value]
     return value

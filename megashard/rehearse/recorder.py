@@ -416,10 +416,10 @@ class Recorder:
             value = payload
         elif isinstance(payload, torch.Tensor) and (self.exchange is not None or payload.numel() <= PAYLOAD_MAX_NUMEL):
             from megashard._compat import no_dispatch_modes
-            from megashard.rehearse.exact import _portable
+            from megashard.rehearse.exact import portable
 
             with no_dispatch_modes():  # the transfer's copy is not the program's tensor
-                value = _portable(payload)
+                value = portable(payload)
         self.channel.put((self.rank, dst, k), value)
 
     def _take(self, tensor: Any, src: int, k: int) -> Any:
